@@ -1,0 +1,68 @@
+"""Engine configuration: one frozen dataclass, validated once at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine instance.
+
+    Memory: the KV pool holds ``max_total_tokens`` token slots when it is set; otherwise
+    (GPU only) it is sized so that weights + KV use ``mem_fraction_static`` of the device.
+    """
+
+    model_path: str
+    tokenizer_path: str | None = None  # defaults to model_path
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+    # memory
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    max_running_requests: int = 256
+    context_length: int | None = None  # defaults to the model's max_position_embeddings
+
+    # scheduling
+    enable_radix_cache: bool = True
+    schedule_policy: str = "lpm"
+    max_prefill_tokens: int = 8192  # new prompt tokens per step (the chunked-prefill budget)
+    starvation_bound: int = 8  # how many steps a waiting request may be passed over
+    new_token_ratio: float = 0.4  # share of max_new_tokens reserved for running decodes
+    enable_mixed_batch: bool = True  # decode tokens ride along with prefill chunks
+
+    # GPU speed features (no-ops on CPU)
+    attention_backend: str = "auto"  # "torch", "triton" or "auto"
+    enable_cuda_graph: bool = True
+    cuda_graph_max_batch: int = 160
+    enable_overlap: bool = True
+
+    # structured decoding
+    enable_jump_forward: bool = True
+    grammar_compile_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError("max_total_tokens must be at least 2")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be at least 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be at least 1")
+        if self.starvation_bound < 0:
+            raise ValueError("starvation_bound must be >= 0")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton'")
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer_path or self.model_path

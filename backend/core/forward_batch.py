@@ -1,0 +1,85 @@
+"""The one thing that flows from the scheduler to the model runner.
+
+A batch is a flat run of new tokens from several requests. Request ``i`` contributes
+``extend_seq_lens[i]`` new tokens (a prefill chunk, a jump-forward run, or 1 for decode)
+on top of ``extend_prefix_lens[i]`` tokens whose KV is already in the pool::
+
+    flat tokens:  | req 0 new tokens | req 1 new tokens | ... |
+                  ^qo_indptr[0]      ^qo_indptr[1]      ^qo_indptr[2]
+    req i KV:     req_to_token[req_pool_indices[i], 0 : seq_lens[i]]
+                  = [ prefix (already stored) | new tokens (stored this step) ]
+                  seq_lens[i] = extend_prefix_lens[i] + extend_seq_lens[i]
+
+New token j of request i sits at position ``extend_prefix_lens[i] + j`` and attends to
+KV positions ``0 .. extend_prefix_lens[i] + j`` (causal). ``out_cache_loc`` gives the
+pool slot each new token's K/V is written to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64
+    extend_prefix_lens: torch.Tensor  # [B] int64
+    extend_seq_lens: torch.Tensor  # [B] int64
+    qo_indptr: torch.Tensor  # [B + 1] int64
+    logits_indices: torch.Tensor  # [L] int64: flat token rows whose logits are needed
+    # host copies, for loops and shapes that must not sync the device
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    is_decode: bool  # every request has exactly one new token
+    # set by the runner when replaying a CUDA graph padded past the real batch
+    num_padded: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_extend_len(self) -> int:
+        return max(self.extend_seq_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @classmethod
+    def build(cls, *, input_ids: list[int], req_pool_indices: list[int],
+              extend_prefix_lens: list[int], extend_seq_lens: list[int],
+              out_cache_loc: list[int], logits_indices: list[int],
+              device: str | torch.device) -> "ForwardBatch":
+        """Assemble from host lists; positions and offsets are derived here."""
+        positions: list[int] = []
+        for prefix, n in zip(extend_prefix_lens, extend_seq_lens):
+            positions.extend(range(prefix, prefix + n))
+        seq_lens = [p + n for p, n in zip(extend_prefix_lens, extend_seq_lens)]
+        qo_indptr = [0]
+        for n in extend_seq_lens:
+            qo_indptr.append(qo_indptr[-1] + n)
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        return cls(
+            input_ids=t(input_ids), positions=t(positions), out_cache_loc=t(out_cache_loc),
+            req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),
+            extend_prefix_lens=t(extend_prefix_lens), extend_seq_lens=t(extend_seq_lens),
+            qo_indptr=t(qo_indptr), logits_indices=t(logits_indices),
+            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(extend_prefix_lens),
+            extend_seq_lens_cpu=list(extend_seq_lens),
+            is_decode=all(n == 1 for n in extend_seq_lens),
+        )
