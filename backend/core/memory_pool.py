@@ -16,13 +16,14 @@ import torch
 
 
 class ReqToTokenPool:
-    """Rows of the request-to-token table, one per running request."""
+    """Rows of the request-to-token table, one per running request (``num_rows - 1`` usable)."""
 
     def __init__(self, num_rows: int, max_context_len: int, device: str) -> None:
         self.num_rows = num_rows
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((num_rows, max_context_len), dtype=torch.int32, device=device)
-        self._free_rows = list(range(num_rows))
+        # row 0 is a dummy row for padded (CUDA-graph) batch entries; never handed out
+        self._free_rows = list(range(num_rows - 1, 0, -1))
 
     def available_size(self) -> int:
         return len(self._free_rows)

@@ -1,0 +1,253 @@
+"""The engine: requests in, one scheduled forward pass per ``step()``, outputs out.
+
+Threading: ``add_request``, ``add_score_request`` and ``abort`` may be called from any
+thread (they post to an inbox); ``step`` must be called from one loop thread.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from .config import EngineConfig
+from .outputs import ChoiceScore, RequestOutput, StepOutput
+from .model_runner import ModelRunner
+from .radix_cache import NoCache, RadixCache
+from .request import Req
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .step_processor import StepProcessor
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
+        self.runner = ModelRunner(config, self.hf_config)
+        self.context_len = self.runner.context_len
+        pool = self.runner.kv_pool
+        self.cache = RadixCache(pool) if config.enable_radix_cache else NoCache(pool)
+        self.scheduler = Scheduler(config, pool, self.runner.req_pool, self.cache)
+        self.eos_token_ids = _eos_ids(config.model_path, self.tokenizer)
+        self.processor = StepProcessor(self)
+        self._inbox: list = []
+        self._inbox_lock = threading.Lock()
+        self._work = threading.Event()
+        self._groups: dict[str, list[Req]] = {}  # caller's id -> its samples / choices
+        self._score_choices: dict[str, list[str]] = {}
+        self.counters = {"prompt_tokens": 0, "cache_hit_tokens": 0, "generated_tokens": 0,
+                         "finished_requests": 0}
+
+    # ------------------------------------------------------------------ submission
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt; raises ValueError on bad input. Returns the request id."""
+        params = _as_params(sampling_params)
+        ids = self._prompt_ids(prompt)
+        self._check_fits(ids)
+        gid = request_id or uuid.uuid4().hex
+        samples = [self._new_req(gid, i, ids, params) for i in range(params.n)]
+        for s in samples[1:]:
+            s.blocked_by = samples[0] if self.cache.enabled else None  # share one prefill
+        self.processor.attach(samples)  # grammar and text state; may raise ValueError
+        self._post(("add", gid, samples, None))
+        return gid
+
+    def add_score_request(self, prompt: str | list[int], choices: list[str],
+                          request_id: str | None = None) -> str:
+        """Score each continuation of ``prompt``: its one StepOutput carries
+        ``choice_scores`` (sum and mean logprob of the choice's tokens)."""
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("choices must be a non-empty list of non-empty strings")
+        prefix = self._prompt_ids(prompt) if not isinstance(prompt, str) or prompt else []
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        gid = request_id or uuid.uuid4().hex
+        reqs = []
+        for i, choice in enumerate(choices):
+            full = self.tokenizer.encode(text + choice, add_special_tokens=False) if isinstance(prompt, str) \
+                else prefix + self.tokenizer.encode(choice, add_special_tokens=False)
+            # the choice starts where its tokenization leaves the prompt's
+            start = _common_prefix_len(prefix, full)
+            start = max(min(start, len(full) - 1), 1)
+            self._check_fits(full)
+            params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs_start=start)
+            reqs.append(self._new_req(gid, i, full, params))
+        for r in reqs[1:]:
+            r.blocked_by = reqs[0] if self.cache.enabled else None  # prefix prefilled once
+        self.processor.attach(reqs)
+        self._post(("add", gid, reqs, list(choices)))
+        return gid
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id, None, None))
+
+    def _post(self, msg) -> None:
+        with self._inbox_lock:
+            self._inbox.append(msg)
+        self._work.set()
+
+    def _new_req(self, gid: str, index: int, ids: list[int], params: SamplingParams) -> Req:
+        rid = gid if index == 0 else f"{gid}#{index}"
+        req = Req(rid=rid, group_id=gid, index=index, origin_input_ids=list(ids), params=params)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
+        return req
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.runner.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
+        return ids
+
+    def _check_fits(self, ids: list[int]) -> None:
+        if len(ids) >= self.context_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len} "
+                             "(prompt plus at least one new token must fit)")
+        if len(ids) + 1 > self.runner.kv_pool.size:
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds {self.runner.kv_pool.size}")
+
+    # ------------------------------------------------------------------ the loop
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        if self.has_work():
+            return True
+        self._work.clear()
+        if self.has_work():
+            return True
+        return self._work.wait(timeout)
+
+    def step(self) -> list[StepOutput]:
+        outputs = self._drain_inbox()
+        items = self.scheduler.schedule()
+        for req in self.scheduler.forced_finish:
+            outputs += self.processor.finish(req, req.finish_reason)
+        self.scheduler.forced_finish.clear()
+        if items:
+            outputs += self.processor.run(items)
+        return outputs
+
+    def _drain_inbox(self) -> list[StepOutput]:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        outputs: list[StepOutput] = []
+        for kind, gid, reqs, choices in inbox:
+            if kind == "add":
+                self._groups[gid] = reqs
+                if choices is not None:
+                    self._score_choices[gid] = choices
+                for r in reqs:
+                    self.scheduler.add(r)
+            else:
+                for r in self._groups.get(gid, []):
+                    if not r.finished:
+                        outputs += self.processor.finish(r, "abort")
+        return outputs
+
+    def _forget(self, gid: str) -> None:
+        self._groups.pop(gid, None)
+        self._score_choices.pop(gid, None)
+
+    def score_output(self, gid: str) -> StepOutput | None:
+        """Called when a choice finishes: the group's answer once all choices are done."""
+        reqs = self._groups.get(gid, [])
+        if not all(r.finished for r in reqs):
+            return None
+        choices = self._score_choices[gid]
+        scores = []
+        for choice, r in zip(choices, reqs):
+            lps = [lp.logprob for lp in (r.prompt_logprobs or [])]
+            scores.append(ChoiceScore(choice, float(sum(lps)), len(lps), lps))
+        head = reqs[0]
+        abort = any(r.finish_reason == "abort" for r in reqs)
+        self._forget(gid)
+        return StepOutput(gid, 0, [], "", True, "abort" if abort else "stop",
+                          len(head.origin_input_ids), sum(r.num_cached_tokens for r in reqs), 0,
+                          choice_scores=None if abort else scores)
+
+    # ------------------------------------------------------------------ offline use
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.processor.keep_results(ids)
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            self.step()
+            results.update(self.processor.take_results())
+        return [results[i] for i in ids]
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> dict:
+        pool = self.runner.kv_pool
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_tokens_total": pool.size,
+            "kv_tokens_used": pool.size - pool.available_size(),
+            "kv_tokens_in_use_by_requests": len(self.scheduler.owned_slots())
+            + self.cache.protected_size,
+            "radix_cache_tokens": self.cache.total_size(),
+            "num_retractions": self.scheduler.num_retractions,
+            **self.counters,
+        }
+
+    def check_integrity(self) -> None:
+        """Every KV slot is exactly one of: free, in the radix tree, or owned by a running
+        request. Raises AssertionError on a leak or a double owner."""
+        self.cache.check_integrity()
+        pool = self.runner.kv_pool
+        free, cached, owned = pool.free_slots(), self.cache.cached_slots(), self.scheduler.owned_slots()
+        every = sorted(free + cached + owned)
+        assert every == list(range(1, pool.size + 1)), (
+            f"slot accounting broken: {len(free)} free + {len(cached)} cached + {len(owned)} owned "
+            f"!= {pool.size} (or duplicates)")
+        if not self.scheduler.running:
+            assert self.cache.protected_size == 0, "tree nodes still locked with nothing running"
+            assert self.runner.req_pool.available_size() == self.runner.req_pool.num_rows - 1
+
+
+def _as_params(p) -> SamplingParams:
+    if p is None:
+        return SamplingParams()
+    if isinstance(p, dict):
+        return SamplingParams.from_dict(p)
+    if isinstance(p, SamplingParams):
+        p.validate()
+        return p
+    raise ValueError(f"sampling params must be SamplingParams or dict, not {type(p).__name__}")
+
+
+def _eos_ids(model_path: str, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    path = os.path.join(model_path, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

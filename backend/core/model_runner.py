@@ -1,0 +1,99 @@
+"""The device side: weights, KV pools, attention backend, forward passes. No policy here."""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+
+from .config import EngineConfig
+from .forward_batch import ForwardBatch
+from .layers.attention import AttentionBackend, TorchAttention
+from .memory_pool import KVPool, ReqToTokenPool
+from .models.registry import context_limit, model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_TOKENS = 32768
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.context_len = min(config.context_length or context_limit(hf_config), context_limit(hf_config))
+        self.vocab_size = hf_config.vocab_size
+        self.model = self._load_model()
+        attn0 = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
+        self.kv_pool = KVPool(self._kv_pool_size(), hf_config.num_hidden_layers,
+                              self.num_kv_heads, self.head_dim, self.dtype, str(self.device))
+        self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1,
+                                       str(self.device))
+        self.attn = self._make_attention()
+
+    # ------------------------------------------------------------------ set-up
+    def _load_model(self) -> torch.nn.Module:
+        cls = model_class(self.hf_config)
+        with torch.device("meta"):
+            model = cls(self.hf_config, self.context_len + 1)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        # rotary tables were wiped by to_empty: rebuild them in float32
+        model.rotary = type(model.rotary)(self.hf_config, model.layers[0].self_attn.head_dim,
+                                          self.context_len + 1).to(self.device)
+        model.load_weights(self._iter_weights())
+        model.eval()
+        return model
+
+    def _iter_weights(self):
+        files = sorted(glob.glob(os.path.join(self.config.model_path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"no *.safetensors weights in {self.config.model_path}")
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    def _kv_pool_size(self) -> int:
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
+                                           self.head_dim, self.dtype)
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_TOKENS
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = total * self.config.mem_fraction_static - used
+        size = int(budget // per_token)
+        if size < self.context_len:
+            raise ValueError(f"only {size} KV tokens fit in memory; need >= {self.context_len}")
+        logger.info("KV pool: %d tokens (%.1f GiB)", size, size * per_token / 2**30)
+        return size
+
+    def _make_attention(self) -> AttentionBackend:
+        choice = self.config.attention_backend
+        if choice == "auto":
+            choice = "triton" if self.device.type == "cuda" else "torch"
+        if choice == "triton":
+            from .layers.triton_attention import TritonAttention
+
+            return TritonAttention(self.kv_pool, self.req_pool.req_to_token)
+        return TorchAttention(self.kv_pool, self.req_pool.req_to_token)
+
+    # ------------------------------------------------------------------ running
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits (float32) of the rows ``batch.logits_indices``."""
+        # record where this step's tokens live, so attention can find them by position
+        rows = torch.repeat_interleave(batch.req_pool_indices, batch.extend_seq_lens,
+                                       output_size=batch.num_tokens)  # no host sync
+        self.req_pool.req_to_token[rows, batch.positions] = batch.out_cache_loc.to(torch.int32)
+        self.attn.prepare(batch)
+        hidden = self.model(batch, self.attn)
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,131 @@
+"""Llama-family decoder (LlamaForCausalLM) over a flat batch of tokens and the paged KV pool.
+
+Qwen2 and Mistral reuse these classes (see ``qwen2.py``, ``mistral.py``): they differ only
+in QKV bias and config defaults. Checkpoint names are mapped to our fused projections
+in ``load_weights``, so ``forward`` stays free of renames.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from ..layers.attention import AttentionBackend
+from ..layers.basic import GatedMLP, RMSNorm
+from ..layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        bias = qkv_bias or getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+                                bias=getattr(config, "attention_bias", False))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+                rotary: RotaryEmbedding, layer_id: int) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(batch.positions, q, k)
+        out = attn.forward(q, k, v, layer_id, batch, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, qkv_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, batch, attn, rotary, layer_id):
+        x = x + self.self_attn(self.input_layernorm(x), batch, attn, rotary, layer_id)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.qkv_bias) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Returns the final hidden states of the rows in ``batch.logits_indices``."""
+        x = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, attn, self.rotary, i)
+        return self.norm(x[batch.logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+
+    # ------------------------------------------------------------------ weights
+    _stacked = (  # checkpoint name piece -> (our parameter, shard index)
+        ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
+        ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
+    )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            for piece, fused, shard in self._stacked:
+                if f".{piece}." in name:
+                    target = name.replace(piece, fused)
+                    _copy_shard(params[target], tensor, shard, self._shard_sizes(fused, target))
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+        missing = [n for n in params if n not in loaded and not any(
+            f"{n}#{s}" in loaded for s in range(3))]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {missing[:5]}")
+
+    def _shard_sizes(self, fused: str, target: str) -> list[int]:
+        attn = self.layers[0].self_attn
+        if fused == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.layers[0].mlp.intermediate
+        return [inter, inter]
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, sizes: list[int]) -> None:
+    start = sum(sizes[:shard])
+    with torch.no_grad():
+        param.narrow(0, start, sizes[shard]).copy_(tensor)

@@ -1,0 +1,56 @@
+"""Streamed output text of one request: incremental detokenization plus stop strings.
+
+Text that could still turn into a stop string is held back until it cannot; a stop
+string and everything after it is never emitted. The pieces a request emits concatenate
+to exactly its final ``text``.
+"""
+from __future__ import annotations
+
+from .detokenizer import IncrementalDetokenizer
+
+
+class TextState:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
+                 skip_special_tokens: bool = True) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self.stop = stop
+        self.pending = ""  # decoded but held back (may begin a stop string)
+        self.text = ""  # emitted so far
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """Feed new tokens; returns the text that became final. Sets ``stopped`` when a
+        stop string appeared (the text is cut before it)."""
+        return self._emit(self.pending + self.detok.add(token_ids), final=False)
+
+    def finish(self) -> str:
+        """The request ended: release what was held back."""
+        if self.stopped:
+            return ""
+        return self._emit(self.pending + self.detok.flush(), final=True)
+
+    def _emit(self, buf: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.pending = buf[:cut], ""
+        elif final or not self.stop:
+            out, self.pending = buf, ""
+        else:
+            hold = _partial_stop_len(buf, self.stop)
+            out, self.pending = buf[:len(buf) - hold], buf[len(buf) - hold:]
+        self.text += out
+        return out
+
+
+def _partial_stop_len(buf: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(buf)), best, -1):
+            if buf.endswith(stop[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,66 @@
+"""What the engine hands back: per-step deltas and whole-request results."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] | None = None  # top alternatives (token id -> logprob) when asked
+
+
+@dataclass
+class StepOutput:
+    """New output of one request (or one of its n samples) from one ``Engine.step()``.
+
+    ``new_text`` is exactly the text that became final this step: concatenating the
+    ``new_text`` of all steps of a request gives its full ``text``.
+    """
+
+    request_id: str
+    index: int  # sample index (0..n-1)
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int  # generated so far, this sample
+    logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first output
+    # For a stateless detokenizer (the ensemble's postprocessing): ids that precede
+    # new_token_ids, enough to decode the new ids' text exactly (see detokenizer.py).
+    context_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # set when the request failed after admission (e.g. grammar)
+    choice_scores: list["ChoiceScore"] | None = None  # answer of a score (select) request
+
+
+@dataclass
+class ChoiceScore:
+    choice: str
+    logprob_sum: float
+    num_tokens: int
+    token_logprobs: list[float]
+
+    @property
+    def normalized_logprob(self) -> float:
+        return self.logprob_sum / max(self.num_tokens, 1)
+
+
+@dataclass
+class RequestOutput:
+    """The whole result of one prompt from ``Engine.generate``."""
+
+    request_id: str
+    prompt: str | list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    samples: list["RequestOutput"] = field(default_factory=list)  # all n samples when n > 1
+    error: str | None = None

@@ -1,0 +1,117 @@
+"""Token sampling for a batch of rows of logits: a few pure functions over tensors.
+
+Order per row (as in common serving engines): penalties -> grammar mask -> greedy, or
+temperature -> top-k -> top-p -> min-p -> draw. Logprobs are reported from the raw model
+distribution (before penalties and temperature) so they score the model, not the sampler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] chosen-token logprobs (raw distribution)
+    top_ids: torch.Tensor | None  # [B, K]
+    top_logprobs: torch.Tensor | None  # [B, K]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place. Repetition penalty covers prompt and output tokens (divide positive
+    logits, multiply negative ones); frequency and presence penalties cover output only."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)),
+                                dtype=torch.long, device=logits.device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                          vals * p.repetition_penalty)
+        if row.output_ids and (p.frequency_penalty or p.presence_penalty):
+            ids = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (all per row, [B] tensors).
+    top_k <= 0 means no limit."""
+    probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[1]
+    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    drop = rank >= k
+    # top-p: keep the smallest prefix whose mass reaches p (the token crossing p stays)
+    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= cum_before >= top_p.unsqueeze(1)
+    drop |= sorted_probs < (min_p * sorted_probs[:, 0]).unsqueeze(1)
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row via the exponential race (argmax p / E, E ~ Exp(1)), which needs
+    no host sync; rows with their own generator draw their noise from it (seeded runs
+    repeat exactly)."""
+    noise = torch.empty_like(probs)
+    if all(g is None for g in generators):
+        noise.exponential_()
+    else:
+        for i, g in enumerate(generators):
+            noise[i].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int,
+           want_logprobs: bool, vocab_mask: torch.Tensor | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` ([B, V] float32). ``vocab_mask`` ([B, V] bool,
+    True = allowed) comes from grammars."""
+    raw = logits
+    logits = logits.clone() if any(r.params.has_penalties for r in rows) or vocab_mask is not None else logits
+    apply_penalties(logits, rows)
+    if vocab_mask is not None:
+        logits.masked_fill_(~vocab_mask, float("-inf"))
+
+    greedy = [r.params.is_greedy for r in rows]
+    if all(greedy):
+        token_ids = logits.argmax(dim=-1)
+    else:
+        dev = logits.device
+        temperature = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
+        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+        probs = filter_logits(logits, temperature, top_k, top_p, min_p)
+        token_ids = draw(probs, [r.generator for r in rows])
+        if any(greedy):
+            is_greedy = torch.tensor(greedy, device=dev)
+            token_ids = torch.where(is_greedy, logits.argmax(dim=-1), token_ids)
+
+    if not want_logprobs:
+        return SampleResult(token_ids, None, None, None)
+    logp = torch.log_softmax(raw, dim=-1)
+    chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_ids = top_vals = None
+    if num_top_logprobs > 0:
+        top_vals, top_ids = logp.topk(num_top_logprobs, dim=-1)
+    return SampleResult(token_ids, chosen, top_ids, top_vals)

@@ -1,0 +1,230 @@
+"""Continuous batching: which requests run this step, and with how many new tokens.
+
+Invariant at the top of every ``schedule()``: each running request has at least one
+token without KV (``num_uncomputed >= 1``: the rest of its prompt, or the token sampled
+last step). A step hands each chosen request ``n`` of those tokens; requests whose
+uncomputed tokens all get KV this step produce one new token. Chunked prefill, decode,
+prefix-cache hits and re-prefill after retraction are all this one rule.
+
+Order of a step: (1) decode tokens of running requests (retracting the newest requests
+if KV runs out), (2) the rest of chunked prefills, (3) admissions from the waiting queue
+under the prefill token budget, by policy: ``lpm`` (longest cached prefix first, with
+requests passed over ``starvation_bound`` times served first) or ``fcfs``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .memory_pool import KVPool, ReqToTokenPool
+from .radix_cache import RadixCache
+from .request import Req, ReqStatus
+
+LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step costs too much
+
+
+@dataclass
+class ScheduledItem:
+    req: Req
+    num_new: int  # tokens given KV this step
+    prefix_len: int  # tokens with KV before this step
+    new_slots: list[int]
+
+    @property
+    def samples(self) -> bool:
+        return self.req.num_uncomputed == 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_pool: KVPool, req_pool: ReqToTokenPool,
+                 cache: RadixCache) -> None:
+        self.config = config
+        self.kv_pool = kv_pool
+        self.req_pool = req_pool
+        self.cache = cache
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.num_retractions = 0
+        self.forced_finish: list[Req] = []  # finished by the scheduler; the engine reports them
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledItem]:
+        items = self._schedule_running()
+        budget = self.config.max_prefill_tokens - sum(i.num_new for i in items if i.num_new > 1)
+        items += self._schedule_waiting(budget)
+        if not self.config.enable_mixed_batch:
+            decode = [i for i in items if i.num_new == 1 and i.req.output_ids]
+            if len(decode) < len(items):  # a prefill step: decodes wait, slots go back
+                for i in decode:
+                    self._unextend(i)
+                items = [i for i in items if i not in decode]
+        return items
+
+    # ------------------------------------------------------------------ running
+    def _schedule_running(self) -> list[ScheduledItem]:
+        decode = [r for r in self.running if r.num_uncomputed == 1]
+        while decode and not self._ensure_free(len(decode)):
+            victim = max(decode, key=lambda r: (r.admit_time, r.rid))
+            if len(self.running) == 1:
+                # one request alone fills the pool: it cannot grow any further
+                victim.finish_reason = "length"
+                self.forced_finish.append(victim)
+                return []
+            self.retract(victim)
+            decode.remove(victim)
+        items = [self._extend(r, 1) for r in decode]
+        budget = self.config.max_prefill_tokens
+        for req in self.running:
+            if req.num_uncomputed > 1 and budget > 0:
+                n = min(req.num_uncomputed, budget)
+                if not self._ensure_free(n):
+                    break
+                items.append(self._extend(req, n))
+                budget -= n
+        return items
+
+    def retract(self, req: Req) -> None:
+        """Preempt a running request: cache what it computed, free the rest, requeue it
+        at the front. Its output so far is kept and re-prefilled on readmission."""
+        self.release(req)
+        req.status = ReqStatus.WAITING
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.num_retractions += 1
+
+    # ------------------------------------------------------------------ admission
+    def _schedule_waiting(self, budget: int) -> list[ScheduledItem]:
+        items: list[ScheduledItem] = []
+        admitted_arrivals: list[float] = []
+        for req in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if req.blocked_by is not None:
+                if not _prompt_cached(req.blocked_by):
+                    continue
+                req.blocked_by = None
+            if self.req_pool.available_size() == 0:
+                break
+            match = self.cache.match_prefix(req.fill_ids[:req.max_match_len()])
+            self.cache.lock(match.last_node)
+            n = min(len(req.fill_ids) - len(match.kv_indices), budget)
+            if not self._can_admit(n):
+                self.cache.unlock(match.last_node)
+                break  # head of line waits: skipping it would let small requests starve it
+            self._admit(req, match)
+            items.append(self._extend(req, n))
+            admitted_arrivals.append(req.arrival)
+            budget -= n
+        if admitted_arrivals:
+            latest = max(admitted_arrivals)
+            for req in self.waiting:
+                if req.arrival < latest:
+                    req.times_passed_over += 1
+        return items
+
+    def _admission_order(self) -> list[Req]:
+        if self.config.schedule_policy == "fcfs" or not self.cache.enabled \
+                or len(self.waiting) > LPM_MAX_QUEUE:
+            return sorted(self.waiting, key=lambda r: r.arrival)
+        for req in self.waiting:
+            req.cached_match_len = len(self.cache.match_prefix(req.fill_ids[:req.max_match_len()]).kv_indices)
+        starved = [r for r in self.waiting if r.times_passed_over >= self.config.starvation_bound]
+        rest = [r for r in self.waiting if r.times_passed_over < self.config.starvation_bound]
+        starved.sort(key=lambda r: r.arrival)
+        rest.sort(key=lambda r: (-r.cached_match_len, r.arrival))
+        return starved + rest
+
+    def _can_admit(self, n: int) -> bool:
+        if not self.running:
+            return self._ensure_free(n)
+        # keep room for running requests to decode, so admissions do not force retractions
+        reserve = int(self.config.new_token_ratio * sum(
+            r.params.max_new_tokens - len(r.output_ids) for r in self.running))
+        reserve = min(reserve, self.kv_pool.size // 2)
+        if self.kv_pool.available_size() + self.cache.evictable_size < n + reserve:
+            return False
+        return self._ensure_free(n)
+
+    def _admit(self, req: Req, match) -> None:
+        req.kv_indices = list(match.kv_indices)
+        req.prefix_len = len(match.kv_indices)
+        req.last_node = match.last_node
+        req.req_pool_idx = self.req_pool.alloc()
+        self.req_pool.write(req.req_pool_idx, 0, req.kv_indices)
+        if not req.admitted_once:
+            req.num_cached_tokens = req.prefix_len
+            req.admitted_once = True
+        req.admit_time = time.monotonic()
+        req.status = ReqStatus.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
+
+    # ------------------------------------------------------------------ KV helpers
+    def _ensure_free(self, n: int) -> bool:
+        short = n - self.kv_pool.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        return self.kv_pool.available_size() >= n
+
+    def _extend(self, req: Req, n: int) -> ScheduledItem:
+        slots = self.kv_pool.alloc(n)
+        assert slots is not None, "caller checked free space"
+        item = ScheduledItem(req, n, req.num_computed, slots)
+        req.kv_indices.extend(slots)
+        return item
+
+    def _unextend(self, item: ScheduledItem) -> None:
+        del item.req.kv_indices[item.prefix_len:]
+        self.kv_pool.free(item.new_slots)
+
+    # ------------------------------------------------------------------ completion
+    def cache_unfinished(self, req: Req) -> None:
+        """After a prefill chunk: put the computed tokens into the tree and take the
+        tree's slots, so the next requests (and the next chunk) share them."""
+        if not self.cache.enabled:
+            return
+        tokens = req.fill_ids[:req.num_computed]
+        present = self.cache.insert(tokens, req.kv_indices)
+        self.kv_pool.free(req.kv_indices[req.prefix_len:present])
+        match = self.cache.match_prefix(tokens)
+        assert len(match.kv_indices) == len(tokens)
+        if present > req.prefix_len:  # another request inserted these first: use its slots
+            self.req_pool.write(req.req_pool_idx, req.prefix_len, match.kv_indices[req.prefix_len:present])
+        self.cache.lock(match.last_node)
+        self.cache.unlock(req.last_node)
+        req.kv_indices, req.last_node, req.prefix_len = list(match.kv_indices), match.last_node, len(tokens)
+
+    def release(self, req: Req) -> None:
+        """Give back a request's KV: computed tokens go into the tree (or are freed when
+        the cache is off), the tree path is unpinned, the table row is returned."""
+        if req.last_node is None:
+            return
+        tokens = req.fill_ids[:req.num_computed]
+        present = self.cache.insert(tokens, req.kv_indices)
+        self.kv_pool.free(req.kv_indices[req.prefix_len:present])
+        self.cache.unlock(req.last_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.kv_indices, req.last_node, req.prefix_len, req.req_pool_idx = [], None, 0, None
+
+    def finish(self, req: Req) -> None:
+        if req.status is ReqStatus.RUNNING:
+            self.release(req)
+            self.running.remove(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+
+    def owned_slots(self) -> list[int]:
+        """Slots held by running requests and not (yet) by the tree."""
+        return [s for r in self.running for s in r.kv_indices[r.prefix_len:]]
+
+
+def _prompt_cached(req: Req) -> bool:
+    return req.finished or req.num_computed >= len(req.origin_input_ids)

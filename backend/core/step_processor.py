@@ -1,0 +1,193 @@
+"""One engine step's work around the forward pass: batch assembly from the scheduled
+items, sampling, and the bookkeeping of new tokens (finish checks, text, caching)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .output_processor import TextState
+from .outputs import RequestOutput, StepOutput, TokenLogprob
+from .request import Req
+from .sampling import SamplingRow, sample
+from .scheduler import ScheduledItem
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+DETOK_CONTEXT = 8  # preceding ids sent along for a stateless detokenizer
+
+
+class StepProcessor:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self._wanted: set[str] = set()  # groups whose whole results generate() collects
+        self._results: dict[str, RequestOutput] = {}
+
+    def attach(self, reqs: list[Req]) -> None:
+        tok = self.engine.tokenizer
+        for r in reqs:
+            r.detok = TextState(tok, r.origin_input_ids, r.params.stop, r.params.skip_special_tokens)
+
+    # ------------------------------------------------------------------ a step
+    def run(self, items: list[ScheduledItem]) -> list[StepOutput]:
+        batch, prompt_rows, sample_rows = self._build(items)
+        logits = self.engine.runner.forward(batch)
+        if prompt_rows:
+            self._record_prompt_logprobs(logits, prompt_rows)
+        sampled = [it for it in items if it.samples]
+        tokens = self._sample(logits, sampled, sample_rows) if sampled else ([], None)
+        outputs: list[StepOutput] = []
+        for it in items:
+            if not it.samples:
+                self.engine.scheduler.cache_unfinished(it.req)
+        for i, it in enumerate(sampled):
+            outputs += self._on_token(it, tokens[0][i], _row_logprobs(tokens[1], i))
+        return outputs
+
+    def _build(self, items: list[ScheduledItem]):
+        input_ids, rows, prefix_lens, new_lens, locs, logits_idx = [], [], [], [], [], []
+        prompt_rows: list[tuple[Req, int, int]] = []  # (req, logits row, token it scores)
+        sample_rows: list[int] = []
+        offset = 0
+        for it in items:
+            r, a, n = it.req, it.prefix_len, it.num_new
+            fill = r.fill_ids
+            input_ids += fill[a:a + n]
+            rows.append(r.req_pool_idx)
+            prefix_lens.append(a)
+            new_lens.append(n)
+            locs += it.new_slots
+            if r.wants_prompt_logprobs:
+                # the logit at position p scores prompt token p + 1
+                first = max(r.params.prompt_logprobs_start, 1) - 1
+                for p in range(max(a, first), min(a + n, len(r.origin_input_ids) - 1)):
+                    prompt_rows.append((r, len(logits_idx), fill[p + 1]))
+                    logits_idx.append(offset + p - a)
+            if it.samples:
+                sample_rows.append(len(logits_idx))
+                logits_idx.append(offset + n - 1)
+            offset += n
+        batch = ForwardBatch.build(input_ids=input_ids, req_pool_indices=rows,
+                                   extend_prefix_lens=prefix_lens, extend_seq_lens=new_lens,
+                                   out_cache_loc=locs, logits_indices=logits_idx,
+                                   device=self.engine.runner.device)
+        return batch, prompt_rows, sample_rows
+
+    def _record_prompt_logprobs(self, logits, prompt_rows) -> None:
+        idx = torch.tensor([row for _, row, _ in prompt_rows], device=logits.device)
+        tok = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
+        values = torch.log_softmax(logits[idx], dim=-1).gather(1, tok.unsqueeze(1)).squeeze(1).tolist()
+        for (r, _, t), v in zip(prompt_rows, values):
+            r.partial_prompt_logprobs.append(TokenLogprob(t, v))
+
+    def _sample(self, logits, sampled: list[ScheduledItem], sample_rows: list[int]):
+        reqs = [it.req for it in sampled]
+        rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, r.generator) for r in reqs]
+        top = max(r.params.logprobs for r in reqs)
+        res = sample(logits[sample_rows], rows, num_top_logprobs=top if top > 1 else 0,
+                     want_logprobs=top > 0)
+        token_ids = res.token_ids.tolist()  # the step's one device -> host sync
+        lp = None
+        if res.logprobs is not None:
+            lp = (res.logprobs.tolist(), res.top_ids.tolist() if res.top_ids is not None else None,
+                  res.top_logprobs.tolist() if res.top_logprobs is not None else None)
+        return token_ids, lp
+
+    # ------------------------------------------------------------------ tokens
+    def _on_token(self, it: ScheduledItem, tok: int, lp) -> list[StepOutput]:
+        r, eng = it.req, self.engine
+        if r.first_token_time is None:
+            r.first_token_time = time.monotonic()
+            if r.params.prompt_logprobs_start is not None:
+                r.prompt_logprobs = r.partial_prompt_logprobs
+        context = r.fill_ids[-DETOK_CONTEXT:]
+        r.output_ids.append(tok)
+        if lp is not None and r.params.logprobs > 0:
+            top = dict(zip(lp[1], lp[2])) if lp[1] is not None and r.params.logprobs > 1 else None
+            r.logprobs.append(TokenLogprob(tok, lp[0], top))
+        p = r.params
+        reason = None
+        if tok in p.stop_token_ids or (tok in eng.eos_token_ids and not p.ignore_eos):
+            reason, text = "stop", ""  # the stop token's own text is not returned
+        else:
+            text = r.detok.add([tok])
+            if r.detok.stopped:
+                reason = "stop"
+            elif len(r.output_ids) >= p.max_new_tokens or len(r.fill_ids) >= eng.context_len:
+                reason = "length"
+        if reason is None:
+            if it.num_new > 1:
+                eng.scheduler.cache_unfinished(r)  # the prompt is now shareable (n > 1 samples)
+            if r.group_id in eng._score_choices:
+                return []
+            return [self._output(r, [tok], text, context)]
+        return self._finish(r, reason, [tok], text, context)
+
+    def finish(self, r: Req, reason: str) -> list[StepOutput]:
+        """End a request from outside the token path (abort, out of memory)."""
+        return self._finish(r, reason, [], "", r.fill_ids[-DETOK_CONTEXT:])
+
+    def _finish(self, r: Req, reason: str, new_ids, text: str, context) -> list[StepOutput]:
+        eng = self.engine
+        if reason != "abort":
+            text += r.detok.finish()
+        r.finish_reason = reason
+        eng.scheduler.finish(r)
+        c = eng.counters
+        c["prompt_tokens"] += len(r.origin_input_ids)
+        c["cache_hit_tokens"] += r.num_cached_tokens
+        c["generated_tokens"] += len(r.output_ids)
+        c["finished_requests"] += 1
+        gid = r.group_id
+        if gid in eng._score_choices:
+            out = eng.score_output(gid)
+            return [out] if out is not None else []
+        out = self._output(r, new_ids, text, context)
+        group = eng._groups.get(gid, [])
+        if all(s.finished for s in group):
+            if gid in self._wanted:
+                self._results[gid] = self._collect(group)
+            eng._forget(gid)
+        return [out]
+
+    def _output(self, r: Req, new_ids, text: str, context) -> StepOutput:
+        first = len(r.output_ids) == len(new_ids)
+        return StepOutput(
+            request_id=r.group_id, index=r.index, new_token_ids=list(new_ids), new_text=text,
+            finished=r.finished, finish_reason=r.finish_reason,
+            num_prompt_tokens=len(r.origin_input_ids), num_cached_tokens=r.num_cached_tokens,
+            num_output_tokens=len(r.output_ids),
+            logprobs=r.logprobs[-len(new_ids):] if r.params.logprobs and new_ids else None,
+            prompt_logprobs=r.prompt_logprobs if first and new_ids else None,
+            context_token_ids=list(context))
+
+    # ------------------------------------------------------------------ offline results
+    def keep_results(self, gids: list[str]) -> None:
+        self._wanted.update(gids)
+
+    def take_results(self) -> dict[str, RequestOutput]:
+        out, self._results = self._results, {}
+        self._wanted.difference_update(out)
+        return out
+
+    @staticmethod
+    def _collect(group: list[Req]) -> RequestOutput:
+        outs = [RequestOutput(
+            request_id=r.group_id, prompt=r.origin_input_ids, token_ids=list(r.output_ids),
+            text=r.detok.text, finish_reason=r.finish_reason,
+            num_prompt_tokens=len(r.origin_input_ids), num_cached_tokens=r.num_cached_tokens,
+            logprobs=list(r.logprobs) if r.params.logprobs else None,
+            prompt_logprobs=r.prompt_logprobs, error=r.error) for r in group]
+        head = outs[0]
+        if len(outs) > 1:
+            head.samples = outs
+        return head
+
+
+def _row_logprobs(lp, i: int):
+    if lp is None:
+        return None
+    return (lp[0][i], lp[1][i] if lp[1] is not None else None, lp[2][i] if lp[2] is not None else None)
