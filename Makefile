@@ -1,0 +1,58 @@
+# RadixLM: two commands on a fresh machine.
+#   make serve   set up .venv, build the default model, serve it on 8000/8001/8002
+#   make test    set up .venv, build the default model, run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+MODEL  := models/default
+HTTP_PORT    ?= 8000
+GRPC_PORT    ?= 8001
+METRICS_PORT ?= 8002
+PROMPT ?= The capital of France is
+
+# The environment is rebuilt only when what it is made from changes.
+ENV_INPUTS := requirements.txt pyproject.toml $(wildcard clients/pyproject.toml)
+ENV_STAMP  := $(VENV)/.installed-$(shell cat $(ENV_INPUTS) | sha1sum | cut -c1-12)
+
+.PHONY: env model serve test clean
+.DEFAULT_GOAL := serve
+
+env: $(ENV_STAMP)
+
+$(ENV_STAMP): $(ENV_INPUTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q -e .
+	if [ -f clients/pyproject.toml ]; then $(BIN)/python -m pip install -q -e clients/; fi
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+model: $(MODEL)/.complete
+
+# Built once; rebuilt only when its builder changes. The stamp is written last, so an
+# interrupted build is redone.
+$(MODEL)/.complete: backend/core/default_model.py | $(ENV_STAMP)
+	$(BIN)/python -m backend.core.default_model --out $(MODEL)
+	touch $@
+
+# The server stays in the foreground (Ctrl-C stops it); once it is ready, one answer is
+# streamed from Triton's generate_stream endpoint.
+serve: env model
+	@$(BIN)/radixlm-serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	    --metrics-port $(METRICS_PORT) & server=$$!; \
+	trap 'kill $$server 2>/dev/null; wait $$server' INT TERM; \
+	for i in $$(seq 600); do \
+	    curl -sf localhost:$(HTTP_PORT)/v2/health/ready >/dev/null && break; \
+	    kill -0 $$server 2>/dev/null || exit 1; sleep 0.5; \
+	done; \
+	echo; echo "== streamed answer to: $(PROMPT)"; \
+	curl -sN -X POST localhost:$(HTTP_PORT)/v2/models/llm/generate_stream \
+	    -d '{"text_input": "$(PROMPT)", "stream": true, "sampling_parameters": "{\"max_tokens\": 24, \"temperature\": 0}"}'; \
+	echo "== serving: HTTP :$(HTTP_PORT)  gRPC :$(GRPC_PORT)  metrics :$(METRICS_PORT)  (Ctrl-C stops)"; \
+	wait $$server
+
+test: env model
+	$(BIN)/pytest -q tests/
+
+clean:
+	rm -rf build/triton_backends

@@ -1,0 +1,191 @@
+"""`radixlm-serve`: run a real tritonserver on this repository's model repository.
+
+The server comes from the ``nvidia-pytriton`` wheel installed in the running environment.
+Before exec-ing it we assemble a backend directory under ``build/triton_backends``::
+
+    build/triton_backends/
+      python/   libtriton_python.so, triton_python_backend_utils.py,
+                triton_python_backend_stub (the stub built for this Python version)
+      radixlm/  model.py -> backend/model.py   (models select it with backend: "radixlm")
+
+and fix the environment the stub needs: it ignores PYTHONPATH and imports from the
+site-packages of the first ``python3`` on PATH, so this environment's ``bin/`` goes first
+(that is also where ``backend.core`` is installed); it needs the wheel's bundled
+libraries (libcudart, ...) on LD_LIBRARY_PATH.
+
+Every argument is passed to tritonserver unchanged; ``--model-repository`` and
+``--backend-directory`` are added only when the caller does not give them.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+BACKEND_NAME = "radixlm"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class LaunchError(RuntimeError):
+    """A piece the server needs is missing; the message says which and how to fix it."""
+
+
+class ServerFiles(NamedTuple):
+    tritonserver: Path
+    python_backend: Path  # folder with libtriton_python.so + triton_python_backend_utils.py
+    stub: Path
+    libs: Path  # nvidia_pytriton.libs
+
+
+def find_server_files(python_version: str | None = None) -> ServerFiles:
+    """Locate the server pieces inside the installed nvidia-pytriton wheel."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise LaunchError(
+            "nvidia-pytriton is not installed in this environment "
+            f"({sys.prefix}); run `make` targets or `pip install -r requirements.txt`"
+        )
+    package_dir = Path(list(spec.submodule_search_locations)[0])
+    server_dir = package_dir / "tritonserver"
+    version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    files = ServerFiles(
+        tritonserver=server_dir / "bin" / "tritonserver",
+        python_backend=server_dir / "backends" / "python",
+        stub=server_dir / "python_backend_stubs" / version / "triton_python_backend_stub",
+        libs=package_dir.parent / "nvidia_pytriton.libs",
+    )
+    for path in (files.tritonserver, files.python_backend / "libtriton_python.so",
+                 files.python_backend / "triton_python_backend_utils.py", files.libs):
+        if not path.exists():
+            raise LaunchError(f"missing {path} (is nvidia-pytriton==0.7.0 fully installed?)")
+    if not files.stub.exists():
+        have = sorted(p.name for p in files.stub.parent.parent.iterdir())
+        raise LaunchError(
+            f"the wheel has no Python backend stub for Python {version} "
+            f"(it has {', '.join(have)}); use one of those Python versions"
+        )
+    return files
+
+
+def _copy(source: Path, dest: Path) -> None:
+    """Copy ``source`` to ``dest`` unless an identical copy (size and mtime) is there."""
+    if dest.is_symlink():
+        dest.unlink()
+    if dest.exists():
+        a, b = source.stat(), dest.stat()
+        if a.st_size == b.st_size and int(a.st_mtime) == int(b.st_mtime):
+            return
+    shutil.copy2(source, dest)
+
+
+def _link(target: Path, link: Path) -> None:
+    """Make ``link`` a symlink to ``target``, replacing whatever was there."""
+    if link.is_symlink() and Path(os.readlink(link)) == target:
+        return
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    elif link.exists() or link.is_symlink():
+        link.unlink()
+    link.symlink_to(target)
+
+
+def assemble_backend_dir(files: ServerFiles, out_dir: Path, model_py: Path) -> Path:
+    """Create (or refresh) the backend directory; returns it. Idempotent."""
+    if not model_py.is_file():
+        raise LaunchError(f"missing the backend's model.py at {model_py}")
+    python_dir = out_dir / "python"
+    ours_dir = out_dir / BACKEND_NAME
+    python_dir.mkdir(parents=True, exist_ok=True)
+    ours_dir.mkdir(parents=True, exist_ok=True)
+    # Copies, not links: tritonserver refuses a backend library that resolves outside
+    # the backend directory.
+    _copy(files.python_backend / "libtriton_python.so", python_dir / "libtriton_python.so")
+    _copy(files.python_backend / "triton_python_backend_utils.py",
+          python_dir / "triton_python_backend_utils.py")
+    _copy(files.stub, python_dir / "triton_python_backend_stub")
+    # A symlink, so edits to backend/model.py take effect on the next model load.
+    _link(model_py, ours_dir / "model.py")
+    return out_dir
+
+
+def check_environment() -> None:
+    """Fail early on the pitfalls that otherwise surface as a crashed stub."""
+    try:
+        numpy_version = importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise LaunchError("numpy is not installed in this environment") from exc
+    if int(numpy_version.split(".")[0]) >= 2:
+        raise LaunchError(
+            f"numpy {numpy_version} is installed; the Python backend stub corrupts string "
+            "tensors with numpy 2, install numpy<2 (requirements.txt pins 1.26.4)"
+        )
+    if importlib.util.find_spec("backend.core") is None:
+        raise LaunchError("backend.core is not importable here; run `pip install -e .`")
+    bin_dir = Path(sys.prefix) / "bin"
+    if not (bin_dir / "python3").exists():
+        raise LaunchError(f"{bin_dir}/python3 does not exist; run radixlm-serve from a venv")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if ctypes.util.find_library(f"python{version}") is None:
+        print(f"radixlm-serve: warning: no shared libpython{version} found on this system; "
+              "the Python backend stub needs it", file=sys.stderr)
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def build_command(args: list[str], files: ServerFiles, backend_dir: Path,
+                  model_repository: Path) -> list[str]:
+    command = [str(files.tritonserver)]
+    if not _has_flag(args, "--model-repository") and not _has_flag(args, "--model-store"):
+        command.append(f"--model-repository={model_repository}")
+    if not _has_flag(args, "--backend-directory"):
+        command.append(f"--backend-directory={backend_dir}")
+    return command + list(args)
+
+
+def build_env(files: ServerFiles, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    bin_dir = str(Path(sys.prefix) / "bin")
+    env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep)
+                                                if p and p != bin_dir])
+    lib_path = env.get("LD_LIBRARY_PATH", "")
+    env["LD_LIBRARY_PATH"] = str(files.libs) + (os.pathsep + lib_path if lib_path else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def prepare(args: list[str], repo_root: Path = REPO_ROOT) -> tuple[list[str], dict[str, str]]:
+    """Everything `main` does short of exec: returns (command, environment)."""
+    check_environment()
+    files = find_server_files()
+    model_repository = repo_root / "model_repository"
+    if not _has_flag(args, "--model-repository") and not model_repository.is_dir():
+        raise LaunchError(f"missing the model repository {model_repository}")
+    backend_dir = assemble_backend_dir(files, repo_root / "build" / "triton_backends",
+                                       repo_root / "backend" / "model.py")
+    return build_command(args, files, backend_dir, model_repository), build_env(files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nusage: radixlm-serve [tritonserver flags...]")
+        return 0
+    try:
+        command, env = prepare(args)
+    except LaunchError as exc:
+        print(f"radixlm-serve: error: {exc}", file=sys.stderr)
+        return 2
+    print("radixlm-serve: " + " ".join(command), file=sys.stderr, flush=True)
+    os.execve(command[0], command, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

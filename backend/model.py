@@ -1,0 +1,114 @@
+"""RadixLM as a decoupled Triton Python-based backend (``backend: "radixlm"``).
+
+The only module that knows Triton's ``triton_python_backend_utils``. It reads tensors
+out of requests, writes responses through response senders, and leaves everything
+else to ``backend.wire`` (the wire contract) and ``backend.serving`` (the engine loop).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend import wire
+from backend.serving import EngineLoop, engine_config_from_parameters
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonResponseSink:
+    """``serving.ResponseSink`` over one request's response sender."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+        self._sender = request.get_response_sender()
+
+    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
+        tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
+        self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
+                          flags=_FINAL if final else 0)
+
+    def send_error(self, message: str, cancelled: bool = False) -> None:
+        code = pb_utils.TritonError.CANCELLED if cancelled else pb_utils.TritonError.INVALID_ARG
+        error = pb_utils.TritonError(message, code)
+        self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=_FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled() or self._request.is_cancelled()
+
+
+def _read_inputs(request) -> dict[str, np.ndarray]:
+    inputs = {}
+    for name in wire.INPUT_NAMES:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            inputs[name] = tensor.as_numpy()
+    return inputs
+
+
+def _read_parameters(request) -> dict:
+    text = request.parameters()
+    if not text:
+        return {}
+    try:
+        parameters = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise wire.InputError(f"request parameters are not valid JSON: {exc}") from exc
+    return parameters if isinstance(parameters, dict) else {}
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        for spec in wire.INPUT_SPECS:
+            auto_complete_model_config.add_input(dict(spec))
+        for spec in wire.OUTPUT_SPECS:
+            auto_complete_model_config.add_output(dict(spec))
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        return auto_complete_model_config
+
+    def initialize(self, args) -> None:
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                "the radixlm backend streams: set model_transaction_policy { decoupled: true }")
+        parameters = {key: value["string_value"]
+                      for key, value in model_config.get("parameters", {}).items()}
+        # Relative paths resolve against the model's folder, the model repository, and
+        # the folder holding the repository (the project root for model_repository/).
+        model_dir = Path(args["model_repository"])
+        search_dirs = [model_dir, model_dir.parent, model_dir.parent.parent]
+        config = engine_config_from_parameters(parameters, search_dirs)
+        if args.get("model_instance_kind") == "GPU" and config.device == "cuda":
+            # KIND_GPU places one instance per GPU: pin this one to its device.
+            device = f"cuda:{args['model_instance_device_id']}"
+            config = dataclasses.replace(config, device=device)
+
+        from backend.core import Engine  # heavy (torch); after the config is known to be valid
+
+        self.logger = pb_utils.Logger
+        self.logger.log_info(f"radixlm: building the engine: {config}")
+        self.engine = Engine(config)
+        self.loop = EngineLoop(self.engine, on_error=self.logger.log_error)
+        self.loop.start()
+        self.logger.log_info("radixlm: engine ready")
+
+    def execute(self, requests):
+        """Only parse and hand over: the engine loop thread sends every response."""
+        for request in requests:
+            sink = TritonResponseSink(request)
+            try:
+                job = wire.parse_request(_read_inputs(request), _read_parameters(request))
+            except wire.InputError as exc:
+                sink.send_error(str(exc))
+                continue
+            self.loop.submit(job, sink)
+        return None
+
+    def finalize(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()

@@ -1,0 +1,226 @@
+"""EngineLoop (backend/serving.py) against a scripted engine: routing, finals, cancel, stop."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from backend import wire
+from backend.core.outputs import ChoiceScore, StepOutput
+from backend.core.sampling_params import SamplingParams
+from backend.serving import EngineLoop
+
+
+class ScriptedEngine:
+    """Each step emits one token ``t<k>`` (text ``"<k> "``) per unfinished sample."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reqs: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.fail_next_step = False
+
+    def add_request(self, prompt, params, request_id):
+        if prompt == "too long":
+            raise ValueError("prompt has 9999 tokens; the context length is 64")
+        with self.lock:
+            self.reqs[request_id] = {"params": params, "made": [0] * params.n, "abort": False,
+                                     "score": None}
+        return request_id
+
+    def add_score_request(self, prompt, choices, request_id):
+        with self.lock:
+            self.reqs[request_id] = {"params": SamplingParams(max_new_tokens=1), "made": [0],
+                                     "abort": False, "score": choices}
+        return request_id
+
+    def abort(self, rid):
+        with self.lock:
+            self.aborted.append(rid)
+            if rid in self.reqs:
+                self.reqs[rid]["abort"] = True
+
+    def has_work(self):
+        return bool(self.reqs)
+
+    def wait_for_work(self, timeout):
+        time.sleep(min(timeout, 0.005))
+        return self.has_work()
+
+    def step(self):
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("kernel exploded")
+        time.sleep(0.002)
+        outs = []
+        with self.lock:
+            for rid, r in list(self.reqs.items()):
+                if r["score"] is not None:
+                    scores = [ChoiceScore(c, -1.0 * (i + 1), 2, [-0.5, -0.5 * (i + 1)])
+                              for i, c in enumerate(r["score"])]
+                    outs.append(StepOutput(rid, 0, [], "", True, "stop", 3, 0, 0,
+                                           choice_scores=scores))
+                    del self.reqs[rid]
+                    continue
+                for i, made in enumerate(r["made"]):
+                    if made < 0:
+                        continue
+                    if r["abort"]:
+                        outs.append(StepOutput(rid, i, [], "", True, "abort", 3, 0, made))
+                        r["made"][i] = -1
+                        continue
+                    made += 1
+                    done = made >= r["params"].max_new_tokens
+                    outs.append(StepOutput(rid, i, [made], f"{made} ", done,
+                                           "length" if done else None, 3, 1, made,
+                                           context_token_ids=[made - 1]))
+                    r["made"][i] = -1 if done else made
+                if all(m < 0 for m in r["made"]):
+                    del self.reqs[rid]
+        return outs
+
+    def stats(self):
+        return {"num_running": len(self.reqs), "num_waiting": 0}
+
+    def check_integrity(self):
+        pass
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.responses: list[tuple[dict, bool]] = []
+        self.errors: list[tuple[str, bool]] = []
+        self.cancelled = False
+        self.closed = threading.Event()
+
+    def send(self, outputs, final):
+        self.responses.append((outputs, final))
+        if final:
+            self.closed.set()
+
+    def send_error(self, message, cancelled=False):
+        self.errors.append((message, cancelled))
+        self.closed.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    def texts(self):
+        return [o[wire.TEXT_OUTPUT][0].decode() for o, _ in self.responses]
+
+
+@pytest.fixture
+def loop():
+    engine = ScriptedEngine()
+    loop = EngineLoop(engine, idle_wait_s=0.005, cancel_poll_s=0.0)
+    loop.start()
+    yield loop
+    loop.stop(timeout_s=5)
+
+
+def generate(prompt="hi", stream=True, prepend=False, **params):
+    return wire.GenerateJob(prompt, SamplingParams(**params), stream, prepend)
+
+
+def test_streaming_sends_each_step_once_and_flags_only_the_last(loop):
+    sink = RecordingSink()
+    loop.submit(generate(max_new_tokens=3), sink)
+    assert sink.closed.wait(5)
+    assert sink.texts() == ["1 ", "2 ", "3 "]
+    assert [final for _, final in sink.responses] == [False, False, True]
+    last = sink.responses[-1][0]
+    assert last[wire.FINISH_REASON][0] == b"length" and last[wire.NUM_OUTPUT_TOKENS][0] == 3
+    assert [list(o[wire.OUTPUT_IDS]) for o, _ in sink.responses] == [[1], [2], [3]]
+    assert list(sink.responses[1][0][wire.CONTEXT_IDS]) == [1]
+    assert loop.num_active() == 0
+
+
+def test_non_streaming_sends_one_response_with_everything_and_the_prompt(loop):
+    sink = RecordingSink()
+    loop.submit(generate("Q: ", stream=False, prepend=True, max_new_tokens=3), sink)
+    assert sink.closed.wait(5)
+    assert len(sink.responses) == 1 and sink.responses[0][1] is True
+    out = sink.responses[0][0]
+    assert out[wire.TEXT_OUTPUT][0].decode() == "Q: 1 2 3 "
+    assert list(out[wire.OUTPUT_IDS]) == [1, 2, 3]
+    assert list(out[wire.CONTEXT_IDS]) == [0]  # what precedes the first output id
+
+
+def test_rejected_prompt_gets_an_error_and_is_not_tracked(loop):
+    sink = RecordingSink()
+    loop.submit(generate("too long"), sink)
+    assert sink.errors == [("prompt has 9999 tokens; the context length is 64", False)]
+    assert loop.num_active() == 0 and not sink.responses
+
+
+def test_cancelled_request_is_aborted_and_gets_a_cancelled_final(loop):
+    sink = RecordingSink()
+    loop.submit(generate(max_new_tokens=10_000), sink)
+    while len(sink.responses) < 2:
+        time.sleep(0.001)
+    sink.cancelled = True
+    assert sink.closed.wait(5)
+    assert sink.errors == [("request cancelled", True)]
+    assert len(loop.engine.aborted) == 1 and loop.num_active() == 0
+    assert len(sink.responses) < 10_000
+
+
+def test_n_samples_stream_with_their_index_and_one_final(loop):
+    sink = RecordingSink()
+    loop.submit(generate(max_new_tokens=2, n=2), sink)
+    assert sink.closed.wait(5)
+    indices = sorted(int(o[wire.INDEX][0]) for o, _ in sink.responses)
+    assert indices == [0, 0, 1, 1]
+    assert [final for _, final in sink.responses] == [False, False, False, True]
+
+
+def test_score_request_gets_one_response_with_choice_scores(loop):
+    sink = RecordingSink()
+    loop.submit(wire.ScoreJob("Is it?", ["yes", "no"]), sink)
+    assert sink.closed.wait(5)
+    (out, final), = sink.responses
+    scores = json.loads(out[wire.CHOICE_SCORES][0])
+    assert final and [s["choice"] for s in scores] == ["yes", "no"]
+    assert scores[1]["logprob_sum"] == -2.0 and scores[1]["normalized_logprob"] == -1.0
+
+
+def test_stats_job_reports_engine_stats_and_integrity(loop):
+    sink = RecordingSink()
+    loop.submit(wire.StatsJob(), sink)
+    assert sink.closed.wait(5)
+    stats = json.loads(sink.responses[0][0][wire.STATS][0])
+    assert stats == {"num_running": 0, "num_waiting": 0, "integrity_ok": True,
+                     "integrity_error": None, "num_pending_requests": 0}
+
+
+def test_engine_failure_fails_pending_requests_and_the_loop_keeps_serving(loop):
+    loop.engine.fail_next_step = True
+    sink = RecordingSink()
+    loop.submit(generate(max_new_tokens=50), sink)
+    assert sink.closed.wait(5)
+    assert sink.errors == [("engine error: kernel exploded", False)]
+    after = RecordingSink()
+    loop.submit(generate(max_new_tokens=1), after)
+    assert after.closed.wait(5) and after.texts() == ["1 "]
+
+
+def test_stop_drains_pending_requests_with_final_responses():
+    engine = ScriptedEngine()
+    loop = EngineLoop(engine, idle_wait_s=0.005)
+    loop.start()
+    sinks = [RecordingSink() for _ in range(3)]
+    for sink in sinks:
+        loop.submit(generate(max_new_tokens=100_000), sink)
+    time.sleep(0.05)
+    started = time.monotonic()
+    loop.stop(timeout_s=5)
+    assert time.monotonic() - started < 5
+    for sink in sinks:
+        assert sink.closed.is_set()
+        assert sink.responses[-1][1] is True
+        assert sink.responses[-1][0][wire.FINISH_REASON][0] == b"abort"
+    late = RecordingSink()
+    loop.submit(generate(), late)
+    assert late.errors == [("the model is shutting down", False)]

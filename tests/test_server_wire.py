@@ -1,0 +1,115 @@
+"""The server's wire contract (backend/wire.py): request parsing and response encoding."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from backend import wire
+from backend.core.outputs import TokenLogprob
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def flag(value: bool) -> np.ndarray:
+    return np.array([value], dtype=np.bool_)
+
+
+def parse(parameters=None, **inputs):
+    return wire.parse_request(inputs, parameters or {})
+
+
+def test_text_request_with_sampling_parameters_tensor():
+    job = parse(text_input=text("xin chào"), stream=flag(True),
+                sampling_parameters=text('{"max_tokens": 5, "temperature": 0, "stop": ["\\n"]}'))
+    assert isinstance(job, wire.GenerateJob)
+    assert job.prompt == "xin chào" and job.stream is True
+    assert job.params.max_new_tokens == 5 and job.params.temperature == 0
+    assert job.params.stop == ["\n"]
+    assert job.prepend_input is False  # streamed answers leave the prompt out by default
+
+
+def test_plain_request_parameters_work_like_the_json_and_the_tensor_wins():
+    job = parse({"max_tokens": 7, "top_k": 3, "exclude_input_in_output": True},
+                text_input=text("hi"), sampling_parameters=text('{"top_k": 5}'))
+    assert job.params.max_new_tokens == 7 and job.params.top_k == 5
+    assert job.stream is False and job.prepend_input is False
+
+
+def test_non_streamed_answers_include_the_prompt_unless_excluded():
+    assert parse(text_input=text("hi")).prepend_input is True
+    assert parse(text_input=text("hi"), exclude_input_in_output=flag(True)).prepend_input is False
+
+
+def test_input_ids_prompt():
+    job = parse(input_ids=np.array([5, 6, 7], dtype=np.int32))
+    assert job.prompt == [5, 6, 7]
+
+
+def test_choices_make_a_score_job():
+    job = parse(text_input=text("Capital of France?"), choices=text('["Paris", "Rome"]'))
+    assert job == wire.ScoreJob("Capital of France?", ["Paris", "Rome"])
+
+
+def test_debug_stats_parameter():
+    assert parse({"debug": "stats"}) == wire.StatsJob()
+
+
+@pytest.mark.parametrize("parameters, inputs, message", [
+    ({}, {}, "missing input 'text_input'"),
+    ({}, {"text_input": text("")}, "'text_input' is empty"),
+    ({}, {"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one element"),
+    ({}, {"text_input": np.array([b"\xff"], dtype=np.object_)}, "not valid UTF-8"),
+    ({}, {"text_input": text("a"), "sampling_parameters": text("{max_tokens: 1")}, "not valid JSON"),
+    ({}, {"text_input": text("a"), "sampling_parameters": text("[1]")}, "must be a JSON object"),
+    ({}, {"text_input": text("a"), "sampling_parameters": text('{"beam_width": 2}')},
+     "unknown sampling parameter(s): beam_width"),
+    ({"max_tokens": 0}, {"text_input": text("a")}, "max_new_tokens must be >= 1"),
+    ({"stream": "yes"}, {"text_input": text("a")}, "parameter 'stream' must be a boolean"),
+    ({}, {"input_ids": np.array([], dtype=np.int32)}, "non-empty 1-D"),
+    ({}, {"input_ids": np.array([1, -2], dtype=np.int32)}, "negative token id"),
+    ({}, {"input_ids": np.array([1.5], dtype=np.float32)}, "must be INT32"),
+    ({}, {"text_input": text("a"), "input_ids": np.array([1], dtype=np.int32)}, "not both"),
+    ({}, {"text_input": text("a"), "choices": text('["ok", ""]')}, "non-empty strings"),
+    ({"debug": "everything"}, {}, "parameter 'debug' must be 'stats'"),
+])
+def test_bad_requests_raise_input_error_with_a_clear_message(parameters, inputs, message):
+    with pytest.raises(wire.InputError) as info:
+        wire.parse_request(inputs, parameters)
+    assert message in str(info.value)
+
+
+def test_generation_outputs_encode_every_tensor():
+    out = wire.generation_outputs(
+        text="Sài Gòn", token_ids=[9, 10], context_ids=[8], finish_reason="stop",
+        num_input_tokens=4, num_output_tokens=2, num_cached_tokens=3, index=1,
+        logprobs=[TokenLogprob(9, -0.25, {9: -0.25, 4: -1.5}), TokenLogprob(10, -0.5)])
+    assert out[wire.TEXT_OUTPUT].dtype == np.object_
+    assert out[wire.TEXT_OUTPUT][0].decode("utf-8") == "Sài Gòn"
+    assert out[wire.OUTPUT_IDS].dtype == np.int32 and list(out[wire.OUTPUT_IDS]) == [9, 10]
+    assert out[wire.FINISH_REASON][0] == b"stop"
+    assert [int(out[k][0]) for k in (wire.NUM_INPUT_TOKENS, wire.NUM_OUTPUT_TOKENS,
+                                      wire.NUM_CACHED_TOKENS, wire.INDEX)] == [4, 2, 3, 1]
+    assert list(out[wire.CONTEXT_IDS]) == [8]
+    assert json.loads(out[wire.LOGPROBS][0]) == [
+        {"token_id": 9, "logprob": -0.25, "top_logprobs": {"9": -0.25, "4": -1.5}},
+        {"token_id": 10, "logprob": -0.5, "top_logprobs": {}},
+    ]
+
+
+def test_logprobs_are_left_out_unless_asked():
+    out = wire.generation_outputs(text="", token_ids=[], context_ids=[], finish_reason=None,
+                                  num_input_tokens=1, num_output_tokens=0,
+                                  num_cached_tokens=0, index=0, logprobs=None)
+    assert wire.LOGPROBS not in out and out[wire.FINISH_REASON][0] == b""
+
+
+def test_every_encoded_tensor_is_declared():
+    declared = {spec["name"] for spec in wire.OUTPUT_SPECS}
+    out = wire.generation_outputs(text="a", token_ids=[1], context_ids=[], finish_reason=None,
+                                  num_input_tokens=1, num_output_tokens=1,
+                                  num_cached_tokens=0, index=0, logprobs=[])
+    assert set(out) | set(wire.stats_outputs({})) | set(wire.score_outputs([], 1, 0)) <= declared
