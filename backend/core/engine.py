@@ -36,6 +36,7 @@ class Engine:
         self.scheduler = Scheduler(config, pool, self.runner.req_pool, self.cache)
         self.eos_token_ids = _eos_ids(config.model_path, self.tokenizer)
         self.processor = StepProcessor(self)
+        self.grammar = None  # grammar.GrammarBackend, created with the first constrained request
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
         self._work = threading.Event()
@@ -55,7 +56,8 @@ class Engine:
         samples = [self._new_req(gid, i, ids, params) for i in range(params.n)]
         for s in samples[1:]:
             s.blocked_by = samples[0] if self.cache.enabled else None  # share one prefill
-        self.processor.attach(samples)  # grammar and text state; may raise ValueError
+        self._submit_grammar(samples, params)
+        self.processor.attach(samples)
         self._post(("add", gid, samples, None))
         return gid
 
@@ -83,6 +85,39 @@ class Engine:
         self.processor.attach(reqs)
         self._post(("add", gid, reqs, list(choices)))
         return gid
+
+    def _submit_grammar(self, reqs: list[Req], params: SamplingParams) -> None:
+        """Start compiling the request's constraint off this thread; a constraint already
+        known to be invalid fails here, others fail when the compilation finishes."""
+        constraint = params.constraint
+        if constraint is None:
+            return
+        with self._inbox_lock:
+            if self.grammar is None:
+                from .grammar import GrammarBackend
+
+                self.grammar = GrammarBackend(
+                    self.tokenizer, self.runner.vocab_size, stop_token_ids=sorted(self.eos_token_ids),
+                    max_workers=self.config.grammar_compile_threads)
+        future = self.grammar.submit(*constraint)
+        if future.done() and future.exception() is not None:
+            raise ValueError(str(future.exception()))
+        for r in reqs:
+            r.grammar_future = future
+
+    def _resolve_grammars(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for r in [r for r in self.scheduler.waiting if r.grammar_future is not None]:
+            future = r.grammar_future
+            if not future.done():
+                continue
+            r.grammar_future = None
+            if future.exception() is not None:
+                r.error = str(future.exception())
+                outputs += self.processor.finish(r, "abort")
+            else:
+                r.grammar = self.grammar.create_state(future.result())
+        return outputs
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id, None, None))
@@ -132,6 +167,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         outputs = self._drain_inbox()
+        outputs += self._resolve_grammars()
         items = self.scheduler.schedule()
         for req in self.scheduler.forced_finish:
             outputs += self.processor.finish(req, req.finish_reason)

@@ -12,6 +12,7 @@ from .detokenizer import IncrementalDetokenizer
 class TextState:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.prompt_ids, self.skip = tokenizer, prompt_ids, skip_special_tokens
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stop = stop
         self.pending = ""  # decoded but held back (may begin a stop string)
@@ -22,6 +23,14 @@ class TextState:
         """Feed new tokens; returns the text that became final. Sets ``stopped`` when a
         stop string appeared (the text is cut before it)."""
         return self._emit(self.pending + self.detok.add(token_ids), final=False)
+
+    def jump(self, output_ids: list[int]) -> str:
+        """The output was re-tokenized (jump-forward): its bytes only grew, so the text
+        emitted so far is still a prefix. Emit the new tail and restart decoding after it."""
+        full = self.tokenizer.decode(output_ids, skip_special_tokens=self.skip)
+        seen = self.text + self.pending
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids + output_ids, self.skip)
+        return self._emit(self.pending + full[len(seen):], final=False)
 
     def finish(self) -> str:
         """The request ended: release what was held back."""

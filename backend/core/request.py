@@ -62,6 +62,7 @@ class Req:
     partial_prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # across chunks
     generator: torch.Generator | None = None
     grammar: object | None = None  # grammar.GrammarState when constrained
+    grammar_future: object | None = None  # compilation in flight; not schedulable until done
     detok: object | None = None  # output_processor.TextState
 
     @property

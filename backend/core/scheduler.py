@@ -106,6 +106,8 @@ class Scheduler:
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if req.grammar_future is not None:
+                continue  # its grammar is still compiling: others go ahead
             if req.blocked_by is not None:
                 if not _prompt_cached(req.blocked_by):
                     continue

@@ -87,7 +87,15 @@ class StepProcessor:
         reqs = [it.req for it in sampled]
         rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, r.generator) for r in reqs]
         top = max(r.params.logprobs for r in reqs)
-        res = sample(logits[sample_rows], rows, num_top_logprobs=top if top > 1 else 0,
+        logits = logits[sample_rows]
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            grammar = self.engine.grammar
+            bitmask = grammar.allocate_bitmask(len(reqs))
+            for i in constrained:
+                reqs[i].grammar.fill_bitmask(bitmask, i)
+            grammar.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), constrained)
+        res = sample(logits, rows, num_top_logprobs=top if top > 1 else 0,
                      want_logprobs=top > 0)
         token_ids = res.token_ids.tolist()  # the step's one device -> host sync
         lp = None
@@ -108,23 +116,60 @@ class StepProcessor:
         if lp is not None and r.params.logprobs > 0:
             top = dict(zip(lp[1], lp[2])) if lp[1] is not None and r.params.logprobs > 1 else None
             r.logprobs.append(TokenLogprob(tok, lp[0], top))
-        p = r.params
-        reason = None
-        if tok in p.stop_token_ids or (tok in eng.eos_token_ids and not p.ignore_eos):
-            reason, text = "stop", ""  # the stop token's own text is not returned
-        else:
-            text = r.detok.add([tok])
-            if r.detok.stopped:
-                reason = "stop"
-            elif len(r.output_ids) >= p.max_new_tokens or len(r.fill_ids) >= eng.context_len:
-                reason = "length"
+        if r.grammar is not None and not r.grammar.accept(tok):
+            r.error = f"token {tok} violates the request's grammar"
+            return self._finish(r, "abort", [tok], "", context)
+        new_ids, text, reason = [tok], "", self._stop_token_reason(r, tok)
         if reason is None:
-            if it.num_new > 1:
-                eng.scheduler.cache_unfinished(r)  # the prompt is now shareable (n > 1 samples)
-            if r.group_id in eng._score_choices:
-                return []
-            return [self._output(r, [tok], text, context)]
-        return self._finish(r, reason, [tok], text, context)
+            text = r.detok.add([tok])
+            if r.grammar is not None and not r.detok.stopped and eng.config.enable_jump_forward:
+                new_ids, text = self._jump_forward(r, new_ids, text)
+            reason = self._length_or_stop_reason(r)
+        if reason is not None:
+            return self._finish(r, reason, new_ids, text, context)
+        if it.num_new > 1 and len(r.output_ids) == 1:
+            eng.scheduler.cache_unfinished(r)  # the prompt is now shareable (n > 1 samples)
+        if r.group_id in eng._score_choices:
+            return []
+        return [self._output(r, new_ids, text, context)]
+
+    def _stop_token_reason(self, r: Req, tok: int) -> str | None:
+        p = r.params
+        if tok in p.stop_token_ids or (tok in self.engine.eos_token_ids and not p.ignore_eos):
+            return "stop"  # the stop token's own text is not returned
+        if r.grammar is not None and r.grammar.is_terminated():
+            return "stop"
+        return None
+
+    def _length_or_stop_reason(self, r: Req) -> str | None:
+        if r.detok.stopped:
+            return "stop"
+        if len(r.output_ids) >= r.params.max_new_tokens or len(r.fill_ids) >= self.engine.context_len:
+            return "length"
+        return None
+
+    def _jump_forward(self, r: Req, new_ids: list[int], text: str) -> tuple[list[int], str]:
+        """Append the text the grammar forces as tokens to prefill next step. Re-tokenizing
+        may replace the last few output tokens: their KV (owned by this request, never in
+        the tree) is dropped. Returns the step's new ids and text."""
+        # only tokens this request owns may be re-tokenized (tree slots are shared)
+        owned = len(r.fill_ids) - max(r.prefix_len, len(r.origin_input_ids))
+        room = r.params.max_new_tokens - len(r.output_ids)
+        jump = self.engine.grammar.jump_forward(r.grammar, r.output_ids, lookback=min(4, owned),
+                                                max_added=room)
+        if not jump.new_token_ids:
+            return new_ids, text
+        drop, added = jump
+        keep = len(r.fill_ids) - drop  # tokens of the new sequence before ``added``
+        if keep < r.num_computed:  # dropped tokens had KV: give their slots back
+            self.engine.runner.kv_pool.free(r.kv_indices[keep:])
+            del r.kv_indices[keep:]
+        if drop:
+            del r.output_ids[-drop:]
+            del r.logprobs[len(r.output_ids):]
+        r.output_ids.extend(added)
+        text += r.detok.jump(r.output_ids)
+        return list(added) if drop else new_ids + list(added), text
 
     def finish(self, r: Req, reason: str) -> list[StepOutput]:
         """End a request from outside the token path (abort, out of memory)."""
@@ -162,7 +207,7 @@ class StepProcessor:
             num_output_tokens=len(r.output_ids),
             logprobs=r.logprobs[-len(new_ids):] if r.params.logprobs and new_ids else None,
             prompt_logprobs=r.prompt_logprobs if first and new_ids else None,
-            context_token_ids=list(context))
+            context_token_ids=list(context), error=r.error)
 
     # ------------------------------------------------------------------ offline results
     def keep_results(self, gids: list[str]) -> None:
