@@ -1,0 +1,166 @@
+"""Split-KV ("flash-decoding") attention for one new query token per request.
+
+Decode has one query row per head, so a grid of (request, head) alone leaves most SMs
+idle on long contexts at small batch. Stage 1 therefore also splits each request's KV
+into ``num_kv_splits`` chunks; every (request, kv head, split) program computes, for all
+``GROUP = H / KVH`` query heads sharing that kv head, a normalised partial output and
+its log-sum-exp. Loading a K/V tile once per group (not once per query head) is what
+makes GQA cheap: decode is bound by KV bytes read. Stage 2 merges the splits:
+
+    out = sum_s 2^(lse_s - M) * acc_s / sum_s 2^(lse_s - M),   M = max_s lse_s
+
+CUDA-graph invariants: grid and workspace shapes depend only on (batch, heads, splits),
+never on seq_lens values; the kernels read seq_lens on the device; with a caller-owned
+workspace nothing is allocated and nothing syncs. Chunk boundaries are computed in the
+kernel, so a request shorter than ``num_kv_splits`` just leaves some splits empty; an
+empty split writes lse = -1e30, which gets weight 0 next to any real split (and a
+request with seq_len 0, e.g. graph padding, gets a 0 output rather than NaN).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf - inf
+
+
+@triton.jit
+def _decode_stage1(
+    Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
+    qk_scale,
+    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
+    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    # chunk rounded up to whole tiles: only the last non-empty split has a partial tile;
+    # short requests use fewer splits instead of many nearly-empty tiles
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)  # BLOCK_G >= 16 (tl.dot minimum); rows >= GROUP are padding
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(KBuf.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], NEG_FLOOR, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_kv = l_i > 0.0
+    acc = acc / tl.where(has_kv, l_i, 1.0)[:, None]
+    lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), NEG_FLOOR)
+    # workspace rows: ((b * H + head) * NUM_SPLITS + split)
+    ws_row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(WorkLse + ws_row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_stage2(
+    WorkAcc, WorkLse, O, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    ws_row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    # padding lanes of BLOCK_S read -inf: weight exactly 0; the max is over real splits,
+    # which are all >= NEG_FLOOR, so at least one weight is 1 and the sum is >= 1
+    lse = tl.load(WorkLse + ws_row, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    acc = tl.load(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+
+
+def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int,
+                           num_kv_splits: int) -> int:
+    """float32 elements ``decode_attention`` needs: partial outputs then their lse."""
+    return batch_size * num_heads * num_kv_splits * (head_dim + 1)
+
+
+def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
+                     v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float, num_kv_splits: int,
+                     workspace: torch.Tensor | None = None) -> None:
+    """Write into ``o`` [B, H, D] the attention of ``q`` [B, H, D] (one token per request)
+    over positions ``0 .. seq_lens[b] - 1`` of row ``req_pool_indices[b]``.
+
+    workspace: optional contiguous float32 tensor with at least
+    ``decode_workspace_numel(B, H, D, num_kv_splits)`` elements; pass one (and a fixed
+    ``num_kv_splits``) when capturing CUDA graphs so the call allocates nothing.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    assert num_heads % num_kv_heads == 0 and k_buffer.shape[2] == head_dim
+    assert o.shape == q.shape and q.stride(-1) == 1 and o.stride(-1) == 1
+    assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1 and req_to_token.stride(1) == 1
+    assert num_kv_splits >= 1
+    if batch == 0:
+        return
+    numel = decode_workspace_numel(batch, num_heads, head_dim, num_kv_splits)
+    if workspace is None:
+        workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+    assert workspace.dtype == torch.float32 and workspace.is_contiguous() and workspace.numel() >= numel
+    n_acc = batch * num_heads * num_kv_splits * head_dim
+    work_acc = workspace[:n_acc]
+    work_lse = workspace[n_acc:numel]
+
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    fp32 = k_buffer.dtype == torch.float32
+    block_n = 32 if (fp32 or block_d > 128) else 64
+    _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    _decode_stage2[(batch, num_heads)](
+        work_acc, work_lse, o, o.stride(0), o.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        num_warps=4,
+    )

@@ -1,0 +1,99 @@
+"""Attention backend on the Triton kernels in ``backend/core/kernels``.
+
+Same contract and results as ``TorchAttention``: store the batch's new K/V at
+``batch.out_cache_loc``, then attend every new query to its request's KV. Decode batches
+(one new token per request) take the split-KV decode kernel, everything else (prefill,
+chunked prefill, mixed prefill + decode, jump-forward runs) the extend kernel.
+
+``forward`` never syncs the device: launch shapes come from the batch's host lists
+(``batch_size``, ``max_extend_len``), never from device tensors. For CUDA graphs, pass
+``num_heads`` and ``max_batch_size`` so the decode workspace is allocated once here and
+keeps its address across captures; the number of KV splits is a function of the batch
+size only, so every replay of a graph captured at batch size B uses the same grid.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..forward_batch import ForwardBatch
+from ..kernels import decode_attention, decode_workspace_numel, extend_attention, store_kv
+from ..memory_pool import KVPool
+from .attention import AttentionBackend
+
+MIN_KV_SPLITS = 4
+MAX_KV_SPLITS = 32
+CPU_KV_SPLITS = 8  # no SM count to size for; also what the interpreter tests use
+
+
+class TritonAttention(AttentionBackend):
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, *,
+                 num_heads: int | None = None, num_kv_splits: int | None = None,
+                 max_batch_size: int = 0) -> None:
+        """num_kv_splits: fixed split count for decode; None picks one per batch size."""
+        super().__init__(kv_pool, req_to_token)
+        self.num_heads = num_heads
+        self.fixed_kv_splits = num_kv_splits
+        k0 = kv_pool.k_buffer[0]
+        self.device = k0.device
+        self.num_kv_heads = int(k0.shape[1])
+        self.head_dim = int(k0.shape[2])
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 0)
+        self._workspace: torch.Tensor | None = None
+        if num_heads and max_batch_size > 0:
+            worst = max(decode_workspace_numel(b, num_heads, self.head_dim, self.num_kv_splits(b))
+                        for b in range(1, max_batch_size + 1))
+            self._workspace = torch.empty(worst, dtype=torch.float32, device=self.device)
+
+    def num_kv_splits(self, batch_size: int) -> int:
+        """Splits for a decode batch: enough stage-1 programs for ~2 waves over the SMs.
+
+        A pure function of the batch size (and fixed hardware), so it is stable across
+        CUDA-graph replays; it never looks at sequence lengths.
+        """
+        if self.fixed_kv_splits:
+            return self.fixed_kv_splits
+        if not self.num_sms:
+            return CPU_KV_SPLITS
+        want = triton.cdiv(2 * self.num_sms, max(1, batch_size * self.num_kv_heads))
+        return min(MAX_KV_SPLITS, max(MIN_KV_SPLITS, triton.next_power_of_2(want)))
+
+    def _decode_workspace(self, batch_size: int, num_heads: int, splits: int) -> torch.Tensor:
+        """The shared float32 workspace, grown (never shrunk) to fit this batch.
+
+        All layers of a step reuse it: stage 2 of one layer finishes (same stream) before
+        stage 1 of the next overwrites it.
+        """
+        need = decode_workspace_numel(batch_size, num_heads, self.head_dim, splits)
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.float32, device=self.device)
+        return self._workspace
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        # size the workspace before the layers run (and before any graph capture), so
+        # forward itself allocates nothing once the head count is known
+        if batch.is_decode and self.num_heads and batch.batch_size:
+            self._decode_workspace(batch.batch_size, self.num_heads,
+                                   self.num_kv_splits(batch.batch_size))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch, scale: float) -> torch.Tensor:
+        k_buf = self.kv_pool.k_buffer[layer_id]
+        v_buf = self.kv_pool.v_buffer[layer_id]
+        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        out = torch.empty_like(q)
+        if batch.batch_size == 0 or q.shape[0] == 0:
+            return out
+        if batch.is_decode:
+            num_heads = q.shape[1]
+            self.num_heads = self.num_heads or num_heads  # lets later prepare() calls size it
+            splits = self.num_kv_splits(batch.batch_size)
+            workspace = self._decode_workspace(batch.batch_size, num_heads, splits)
+            decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
+                             batch.seq_lens, scale, splits, workspace=workspace)
+        else:
+            extend_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
+                             batch.seq_lens, batch.extend_prefix_lens, batch.qo_indptr,
+                             batch.max_extend_len, scale)
+        return out

@@ -1,0 +1,186 @@
+"""Triton kernels vs. the TorchAttention reference, on CPU via the Triton interpreter.
+
+Triton picks interpreter vs. compiler when ``triton.language`` itself is imported, and
+other test modules may import triton first (xgrammar does), so the cases cannot run in
+the pytest process. The ``results`` fixture runs this file once as a worker subprocess
+with TRITON_INTERPRET=1; the worker runs every case and prints one JSON line
+``{case_id: "ok" | traceback}``; each pytest test asserts its own case.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FP32_TOL = 1e-4
+
+
+def _setup(prefix_lens, ext_lens, num_heads, num_kv_heads, head_dim, seed,
+           dtype=torch.float32, pool_size=600, rows=6, max_ctx=320):
+    """Two identical pools (torch ref / triton) holding each request's prefix K/V at
+    shuffled slots, shuffled req_to_token rows, and a batch whose new tokens go to
+    further shuffled slots."""
+    from backend.core.forward_batch import ForwardBatch
+    from backend.core.memory_pool import KVPool, ReqToTokenPool
+    gen = torch.Generator().manual_seed(seed)
+    pools = [KVPool(pool_size, 1, num_kv_heads, head_dim, dtype, "cpu") for _ in range(2)]
+    r2t = ReqToTokenPool(rows, max_ctx, "cpu")
+    slot_perm = (torch.randperm(pool_size, generator=gen) + 1).tolist()  # never slot 0
+    row_perm = torch.randperm(rows, generator=gen).tolist()
+    row_ids, out_loc, used = [], [], 0
+    for i, (prefix, n) in enumerate(zip(prefix_lens, ext_lens)):
+        slots = slot_perm[used:used + prefix + n]
+        used += prefix + n
+        r2t.write(row_perm[i], 0, slots)
+        pk = torch.randn(prefix, num_kv_heads, head_dim, generator=gen).to(dtype)
+        pv = torch.randn(prefix, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for p in pools:
+            p.k_buffer[0][slots[:prefix]] = pk
+            p.v_buffer[0][slots[:prefix]] = pv
+        row_ids.append(row_perm[i])
+        out_loc.extend(slots[prefix:])
+    total = sum(ext_lens)
+    batch = ForwardBatch.build(
+        input_ids=[0] * total, req_pool_indices=row_ids, extend_prefix_lens=list(prefix_lens),
+        extend_seq_lens=list(ext_lens), out_cache_loc=out_loc, logits_indices=[], device="cpu")
+    qkv = [torch.randn(total, h, head_dim, generator=gen).to(dtype)
+           for h in (num_heads, num_kv_heads, num_kv_heads)]
+    return pools, r2t.req_to_token, batch, *qkv
+
+
+def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.float32):
+    """TritonAttention.forward == TorchAttention.forward, outputs and pool contents."""
+    from backend.core.layers.attention import TorchAttention
+    from backend.core.layers.triton_attention import TritonAttention
+    (ref_pool, tri_pool), r2t, batch, q, k, v = _setup(prefix_lens, ext_lens, h, kvh, d, seed,
+                                                       dtype=dtype)
+    scale = 0.7 / d ** 0.5  # not the default 1/sqrt(d): proves the scale is honoured
+    ref = TorchAttention(ref_pool, r2t).forward(q, k, v, 0, batch, scale)
+    backend = TritonAttention(tri_pool, r2t, num_heads=h)
+    backend.prepare(batch)
+    out = backend.forward(q, k, v, 0, batch, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err < tol, f"max abs error {err}"
+    # store_kv wrote exactly what the reference wrote, and nothing else
+    assert torch.equal(tri_pool.k_buffer[0], ref_pool.k_buffer[0])
+    assert torch.equal(tri_pool.v_buffer[0], ref_pool.v_buffer[0])
+    if batch.is_decode:
+        assert backend.num_kv_splits(batch.batch_size) == 8  # CPU default
+        assert max(batch.seq_lens_cpu) > 8 > min(batch.seq_lens_cpu)
+
+
+def _decode_direct(splits, seq_lens_override=None):
+    """decode_attention called directly with a given split count and a NaN-filled workspace
+    (every element it reads must have been written this call)."""
+    from backend.core.kernels import decode_attention, decode_workspace_numel
+    from backend.core.layers.attention import TorchAttention
+    (pool, _), r2t, batch, q, k, v = _setup([0, 6, 90], [1, 1, 1], 4, 2, 64, seed=splits)
+    ref = TorchAttention(pool, r2t).forward(q, k, v, 0, batch, 0.125)  # also stores K/V
+    seq_lens = batch.seq_lens if seq_lens_override is None else torch.tensor(seq_lens_override)
+    out = torch.full_like(q, float("nan"))
+    ws = torch.full((decode_workspace_numel(3, 4, 64, splits),), float("nan"))
+    decode_attention(q, out, pool.k_buffer[0], pool.v_buffer[0], r2t, batch.req_pool_indices,
+                     seq_lens, 0.125, splits, workspace=ws)
+    return out, ref
+
+
+def _case_decode_splits(splits):
+    out, ref = _decode_direct(splits)
+    assert (out - ref).abs().max().item() < FP32_TOL
+
+
+def _case_decode_padding_row():
+    # seq_len 0 (a CUDA-graph padding row) gives exactly 0, not NaN; others unaffected
+    out, ref = _decode_direct(4, seq_lens_override=[1, 0, 91])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert (out[2] - ref[2]).abs().max().item() < FP32_TOL
+    assert torch.isfinite(out).all()
+
+
+def _case_store_kv_strided_cast():
+    from backend.core.kernels import store_kv
+    gen = torch.Generator().manual_seed(11)
+    kvh, d, n = 2, 80, 9
+    # k/v as views of one fused projection output: token stride 3*kvh*d, not kvh*d
+    fused = torch.randn(n, 3 * kvh, d, generator=gen)
+    k, v = fused[:, kvh:2 * kvh], fused[:, 2 * kvh:]
+    k_buf = torch.zeros(50, kvh, d, dtype=torch.float16)
+    v_buf = torch.zeros(50, kvh, d, dtype=torch.float16)
+    loc = torch.randperm(49, generator=gen)[:n] + 1
+    store_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf[loc], k.half()) and torch.equal(v_buf[loc], v.half())
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[loc] = False
+    assert k_buf[untouched].abs().sum().item() == 0 and v_buf[untouched].abs().sum().item() == 0
+
+
+# prefix 0 and > 0; an extend of 1 (a decode row in a mixed batch); an extend of 70 spans
+# two 64-row query blocks; 32-slot KV tiles straddle the prefix/new boundary
+EXTEND = dict(prefix_lens=[0, 5, 37, 0], ext_lens=[7, 1, 70, 33])
+# seq_lens 1 and 3 are below the 8 splits; 300 fills five 64-slot chunks
+DECODE = dict(prefix_lens=[0, 2, 44, 299], ext_lens=[1, 1, 1, 1])
+HEADS = [(2, 2, 64), (4, 2, 80), (4, 1, 64)]  # GQA ratios 1, 2, 4; head_dim 80 is padded
+
+CASES = {}
+for _h, _kvh, _d in HEADS:
+    CASES[f"extend-h{_h}-kvh{_kvh}-d{_d}"] = (_compare, dict(EXTEND, h=_h, kvh=_kvh, d=_d, seed=_d + _h))
+    CASES[f"decode-h{_h}-kvh{_kvh}-d{_d}"] = (_compare, dict(DECODE, h=_h, kvh=_kvh, d=_d, seed=_d - _h))
+for _d in (32, 256):
+    CASES[f"extend-d{_d}"] = (_compare, dict(prefix_lens=[0, 12], ext_lens=[5, 18], h=2, kvh=1, d=_d, seed=_d))
+    CASES[f"decode-d{_d}"] = (_compare, dict(prefix_lens=[0, 40], ext_lens=[1, 1], h=2, kvh=1, d=_d, seed=_d))
+# fp16 pools: fp32 accumulation keeps the error at output rounding. bf16 is left to
+# scripts/check_kernels_gpu.py: the interpreter's tl.dot multiplies bf16 operands as
+# their raw uint16 bit patterns.
+for _d in (96, 128):
+    CASES[f"extend-fp16-d{_d}"] = (_compare, dict(prefix_lens=[3, 0], ext_lens=[9, 20], h=4, kvh=2, d=_d,
+                                                  seed=_d, dtype=torch.float16, tol=2e-3))
+    CASES[f"decode-fp16-d{_d}"] = (_compare, dict(prefix_lens=[3, 30], ext_lens=[1, 1], h=4, kvh=2, d=_d,
+                                                  seed=_d, dtype=torch.float16, tol=2e-3))
+for _s in (1, 3, 16):
+    CASES[f"decode-splits{_s}"] = (_case_decode_splits, dict(splits=_s))
+CASES["decode-padding-row"] = (_case_decode_padding_row, {})
+CASES["store-kv-strided-cast"] = (_case_store_kv_strided_cast, {})
+
+
+def _worker() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+    import backend.core.kernels.kv_store as kv_store
+    assert isinstance(kv_store._store_kv_kernel, InterpretedFunction), "interpreter not active"
+    results = {}
+    for case_id, (fn, kwargs) in CASES.items():
+        try:
+            fn(**kwargs)
+            results[case_id] = "ok"
+        except Exception:  # report every case, not just the first failure
+            results[case_id] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_kernel_case(results, case_id):
+    assert results.get(case_id) == "ok", results.get(case_id, "case did not run")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    _worker()
