@@ -27,13 +27,10 @@ $(ENV_STAMP): $(ENV_INPUTS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-model: $(MODEL)/.complete
-
-# Built once; rebuilt only when its builder changes. The stamp is written last, so an
-# interrupted build is redone.
-$(MODEL)/.complete: backend/core/default_model.py | $(ENV_STAMP)
+# The builder is idempotent (a no-op when models/default is up to date with its recipe)
+# and atomic (an interrupted build leaves no half-written model).
+model: env
 	$(BIN)/python -m backend.core.default_model --out $(MODEL)
-	touch $@
 
 # The server stays in the foreground (Ctrl-C stops it); once it is ready, one answer is
 # streamed from Triton's generate_stream endpoint.

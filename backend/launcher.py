@@ -18,12 +18,12 @@ Every argument is passed to tritonserver unchanged; ``--model-repository`` and
 """
 from __future__ import annotations
 
-import ctypes.util
 import importlib.metadata
 import importlib.util
 import os
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 from typing import NamedTuple
 
@@ -129,10 +129,23 @@ def check_environment() -> None:
     bin_dir = Path(sys.prefix) / "bin"
     if not (bin_dir / "python3").exists():
         raise LaunchError(f"{bin_dir}/python3 does not exist; run radixlm-serve from a venv")
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    if ctypes.util.find_library(f"python{version}") is None:
-        print(f"radixlm-serve: warning: no shared libpython{version} found on this system; "
-              "the Python backend stub needs it", file=sys.stderr)
+    if python_libdir() is None:
+        print(f"radixlm-serve: warning: {sys.executable} has no shared libpython; the Python "
+              "backend stub will load the system's, whose version may not match this "
+              "interpreter's standard library", file=sys.stderr)
+
+
+def python_libdir() -> Path | None:
+    """The folder holding this interpreter's shared libpython, if it has one.
+
+    The stub links ``libpython3.X.so.1.0`` but imports the standard library of the venv's
+    base interpreter; both must be the same build (a pyenv 3.11.7 ``_ssl`` module does not
+    load into Debian's 3.11.2 libpython), so the stub must find this interpreter's first.
+    """
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if not libdir or not soname or not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        return None
+    return Path(libdir) if (Path(libdir) / soname).exists() else None
 
 
 def _has_flag(args: list[str], flag: str) -> bool:
@@ -154,8 +167,14 @@ def build_env(files: ServerFiles, base: dict[str, str] | None = None) -> dict[st
     bin_dir = str(Path(sys.prefix) / "bin")
     env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep)
                                                 if p and p != bin_dir])
-    lib_path = env.get("LD_LIBRARY_PATH", "")
-    env["LD_LIBRARY_PATH"] = str(files.libs) + (os.pathsep + lib_path if lib_path else "")
+    # Bundled libraries first; then this interpreter's libpython folder, unless it is a
+    # system folder the loader searches anyway (listing it would shadow bundled ones).
+    lib_dirs = [str(files.libs)]
+    libdir = python_libdir()
+    if libdir is not None and not str(libdir).startswith(("/usr/lib", "/lib")):
+        lib_dirs.append(str(libdir))
+    lib_dirs += [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

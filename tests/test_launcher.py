@@ -67,7 +67,12 @@ def test_user_model_repository_wins(files):
 def test_environment_puts_venv_bin_first_and_bundled_libs_on_the_loader_path(files):
     env = launcher.build_env(files, {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/lib"})
     assert env["PATH"].split(os.pathsep) == [str(Path(sys.prefix) / "bin"), "/usr/bin", "/bin"]
-    assert env["LD_LIBRARY_PATH"].split(os.pathsep) == [str(files.libs), "/opt/lib"]
+    libdirs = env["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert libdirs[0] == str(files.libs) and libdirs[-1] == "/opt/lib"
+    libpython = launcher.python_libdir()
+    if libpython is not None and not str(libpython).startswith(("/usr/lib", "/lib")):
+        # the stub must load this interpreter's libpython, not the system's
+        assert libdirs[1] == str(libpython)
 
 
 def test_prepare_targets_this_repository():
