@@ -6,14 +6,15 @@ to exactly its final ``text``.
 """
 from __future__ import annotations
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import STATELESS_CONTEXT_IDS, IncrementalDetokenizer
 
 
 class TextState:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True) -> None:
-        self.tokenizer, self.prompt_ids, self.skip = tokenizer, prompt_ids, skip_special_tokens
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.prompt_ids = _clean_context(tokenizer, prompt_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, self.prompt_ids, skip_special_tokens)
         self.stop = stop
         self.pending = ""  # decoded but held back (may begin a stop string)
         self.text = ""  # emitted so far
@@ -52,6 +53,16 @@ class TextState:
             out, self.pending = buf[:len(buf) - hold], buf[len(buf) - hold:]
         self.text += out
         return out
+
+
+def _clean_context(tokenizer, prompt_ids: list[int]) -> list[int]:
+    """The prompt tail as decoding context (it keeps a SentencePiece leading space), unless
+    it ends inside a character: then output text is decoded on its own, so it never starts
+    with bytes that belong to the prompt."""
+    tail = prompt_ids[-STATELESS_CONTEXT_IDS:]
+    if tokenizer.decode(tail, skip_special_tokens=False).endswith("\ufffd"):
+        return []
+    return tail
 
 
 def _partial_stop_len(buf: str, stops: list[str]) -> int:

@@ -229,4 +229,5 @@ class Scheduler:
 
 
 def _prompt_cached(req: Req) -> bool:
-    return req.finished or req.num_computed >= len(req.origin_input_ids)
+    """The request's prompt KV is in the tree (computed in an earlier step, then cached)."""
+    return req.finished or req.prefix_len >= len(req.origin_input_ids)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .detokenizer import STATELESS_CONTEXT_IDS
 from .forward_batch import ForwardBatch
 from .output_processor import TextState
 from .outputs import RequestOutput, StepOutput, TokenLogprob
@@ -17,7 +18,6 @@ from .scheduler import ScheduledItem
 if TYPE_CHECKING:
     from .engine import Engine
 
-DETOK_CONTEXT = 8  # preceding ids sent along for a stateless detokenizer
 
 
 class StepProcessor:
@@ -111,7 +111,7 @@ class StepProcessor:
             r.first_token_time = time.monotonic()
             if r.params.prompt_logprobs_start is not None:
                 r.prompt_logprobs = r.partial_prompt_logprobs
-        context = r.fill_ids[-DETOK_CONTEXT:]
+        context = _detok_context(r)
         r.output_ids.append(tok)
         if lp is not None and r.params.logprobs > 0:
             top = dict(zip(lp[1], lp[2])) if lp[1] is not None and r.params.logprobs > 1 else None
@@ -173,7 +173,7 @@ class StepProcessor:
 
     def finish(self, r: Req, reason: str) -> list[StepOutput]:
         """End a request from outside the token path (abort, out of memory)."""
-        return self._finish(r, reason, [], "", r.fill_ids[-DETOK_CONTEXT:])
+        return self._finish(r, reason, [], "", _detok_context(r))
 
     def _finish(self, r: Req, reason: str, new_ids, text: str, context) -> list[StepOutput]:
         eng = self.engine
@@ -230,6 +230,12 @@ class StepProcessor:
         if len(outs) > 1:
             head.samples = outs
         return head
+
+
+def _detok_context(r: Req) -> list[int]:
+    """Ids before the next output token, as a stateless detokenizer needs them to decode
+    that token's text exactly as the engine's own TextState does."""
+    return (r.detok.prompt_ids + r.output_ids)[-STATELESS_CONTEXT_IDS:]
 
 
 def _row_logprobs(lp, i: int):

@@ -1,0 +1,97 @@
+"""num_cached_tokens is exactly the prompt tokens whose KV the radix cache supplied.
+
+A finished request leaves prompt + output in the tree, except its last sampled token,
+which never had KV computed. At least one prompt token is always recomputed, since the
+next token's logits come from it."""
+from __future__ import annotations
+
+import pytest
+
+from backend.core import SamplingParams
+from engine_helpers import make_engine, random_prompts, tiny_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("cache"), "qwen2")
+
+
+def _one(engine, prompt, **params):
+    return engine.generate([prompt], SamplingParams(**{**GREEDY, **params}))[0]
+
+
+def test_shared_system_prompt_with_different_questions(model):
+    engine = make_engine(model)
+    system, q1, q2 = random_prompts(3, engine.runner.vocab_size, seed=1, min_len=12, max_len=30)
+    q2[0] = q1[0] + 1 if q1[0] + 1 < engine.runner.vocab_size else q1[0] - 1  # differ at once
+    first = _one(engine, system + q1, max_new_tokens=4)
+    second = _one(engine, system + q2, max_new_tokens=4)
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == len(system)
+
+
+def test_multi_turn_chat_reuses_previous_answer(model):
+    engine = make_engine(model)
+    turn1, user2 = random_prompts(2, engine.runner.vocab_size, seed=2, min_len=8, max_len=20)
+    first = _one(engine, turn1, max_new_tokens=6)
+    second = _one(engine, turn1 + first.token_ids + user2, max_new_tokens=6)
+    # everything but the last answer token (never fed back, so never got KV)
+    assert second.num_cached_tokens == len(turn1) + len(first.token_ids) - 1
+
+
+def test_identical_prompt_is_served_from_cache_but_one_token(model):
+    engine = make_engine(model)
+    (prompt,) = random_prompts(1, engine.runner.vocab_size, seed=3, min_len=20, max_len=20)
+    _one(engine, prompt, max_new_tokens=3)
+    again = _one(engine, prompt, max_new_tokens=3)
+    assert again.num_cached_tokens == len(prompt) - 1
+
+
+def test_n_samples_share_one_prefill(model):
+    engine = make_engine(model)
+    (prompt,) = random_prompts(1, engine.runner.vocab_size, seed=4, min_len=15, max_len=15)
+    out = _one(engine, prompt, max_new_tokens=5, n=4, temperature=1.0, seed=11)
+    assert len(out.samples) == 4
+    assert [s.num_cached_tokens for s in out.samples] == [0] + [len(prompt) - 1] * 3
+    assert len({tuple(s.token_ids) for s in out.samples}) > 1, "seeded samples should differ"
+    engine.check_integrity()
+
+
+def test_cached_count_after_eviction(model):
+    # room for about two prompts' KV: serving others evicts the first prompt's prefix
+    engine = make_engine(model, max_total_tokens=64, max_prefill_tokens=64)
+    a, b, c = random_prompts(3, engine.runner.vocab_size, seed=5, min_len=25, max_len=25)
+    _one(engine, a, max_new_tokens=2)
+    _one(engine, b, max_new_tokens=2)
+    _one(engine, c, max_new_tokens=2)  # needs slots: a (least recently used) goes
+    again_a = _one(engine, a, max_new_tokens=2)
+    assert again_a.num_cached_tokens == 0
+    again_c = _one(engine, c, max_new_tokens=2)  # c was used last and survives
+    assert again_c.num_cached_tokens == len(c) - 1
+    engine.check_integrity()
+
+
+def test_cache_disabled_reports_no_hits(model):
+    engine = make_engine(model, enable_radix_cache=False)
+    (prompt,) = random_prompts(1, engine.runner.vocab_size, seed=6, min_len=20, max_len=20)
+    _one(engine, prompt, max_new_tokens=3)
+    again = _one(engine, prompt, max_new_tokens=3)
+    assert again.num_cached_tokens == 0
+    assert engine.stats()["radix_cache_tokens"] == 0
+    engine.check_integrity()
+
+
+def test_chunked_prefill_is_cached_chunk_by_chunk(model):
+    engine = make_engine(model, max_prefill_tokens=8)
+    (prompt,) = random_prompts(1, engine.runner.vocab_size, seed=8, min_len=30, max_len=30)
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=2, **GREEDY))
+    engine.step()  # first chunk of 8 tokens
+    assert engine.cache.total_size() == 8
+    engine.step()
+    assert engine.cache.total_size() == 16
+    while engine.has_work():
+        engine.step()
+    assert engine.cache.total_size() == len(prompt) + 1
+    assert rid
