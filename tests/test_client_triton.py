@@ -14,6 +14,7 @@ import time
 from concurrent import futures
 
 import asyncio
+import importlib
 import sys
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class FakeTritonLLM(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.step_delay = step_delay
         self.requests: list[dict] = []  # decoded inputs of every request received
         self.cancelled: list[str] = []
+        self.preferred: set[str] = set()  # choices that score best, whatever their length
         self._lock = threading.Lock()
 
     def ModelConfig(self, request, context):
@@ -74,7 +76,8 @@ class FakeTritonLLM(service_pb2_grpc.GRPCInferenceServiceServicer):
             return
         if "choices" in inputs:
             scores = [{"choice": c, "logprob_sum": -float(len(c)), "num_tokens": len(c.split()),
-                       "normalized_logprob": -float(len(c)) / len(c.split()),
+                       "normalized_logprob": 0.0 if c in self.preferred
+                       else -float(len(c)) / len(c.split()),
                        "token_logprobs": [-1.0] * len(c.split())}
                       for c in json.loads(inputs["choices"])]
             yield self._response(request, {"choice_scores": json.dumps(scores)}, final=True)
@@ -88,6 +91,8 @@ class FakeTritonLLM(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         context.add_callback(on_rpc_end)
         words = [w + " " for w in reversed(prompt.split())][: params.get("max_tokens", 64)]
+        if "json_schema" in params:
+            words = ['{"grade": "B", ', '"strongest": "clarity", ', '"summary": "fine"}']
         if not inputs.get("stream"):
             words = ["".join(words)]
         for i, word in enumerate(words):
@@ -260,3 +265,27 @@ def test_a_program_runs_over_grpc_with_the_triton_backend(fake):
     assert state["pick"] == "s"  # normalized -1.0 beats "long one"'s -8 / 2 = -4.0
     assert state.text().endswith("[/assistant]Choice: s")
     assert json.loads(fake.model.requests[0]["sampling_parameters"]) == {"max_tokens": 8}
+
+
+def test_the_judge_and_its_raw_tritonclient_version_send_the_same_requests(fake):
+    examples = str(Path(__file__).resolve().parents[1] / "clients" / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    judge, judge_raw = importlib.import_module("judge"), importlib.import_module("judge_raw")
+    fake.model.preferred = {"yes", "B"}
+    topic, essay = judge.ESSAYS[0]
+
+    out = judge_raw.multi_dimensional_judge(fake.url, "llm", topic, essay)
+    raw_requests, fake.model.requests = fake.model.requests, []
+    state = judge.multi_dimensional_judge.run(topic=topic, essay=essay, temperature=0.0,
+                                              backend=radixlm.Triton(fake.url))
+
+    assert out == {name: state[name] for name in out}
+    assert (out["related"], out["grade"], len(out["judgment"])) == ("yes", "B", 3)
+    assert json.loads(out["verdict"]) == {"grade": "B", "strongest": "clarity", "summary": "fine"}
+
+    def key(r):
+        params = json.dumps(json.loads(r.get("sampling_parameters", "{}")), sort_keys=True)
+        return r.get("text_input"), r.get("choices"), params
+
+    assert sorted(map(key, fake.model.requests)) == sorted(map(key, raw_requests))
