@@ -59,6 +59,7 @@ SAMPLING_KEYS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "n", "logprobs", "json_schema", "regex", "ebnf", "choices", "response_format",
+    "skip_special_tokens", "prompt_logprobs_start",
 })
 FINISH_REASONS = ("stop", "length", "abort")
 CHOICE_SCORE_KEYS = ("choice", "logprob_sum", "num_tokens", "normalized_logprob",
