@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 
 try:
-    import radixlm
+    import radixlm  # noqa: F401  (the examples import it)
 except ImportError:  # not pip-installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
     import radixlm

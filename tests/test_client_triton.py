@@ -241,6 +241,7 @@ def test_agenerate_runs_requests_concurrently_on_one_event_loop(slow_fake):
 
     texts, pieces, scores = asyncio.run(main())
     assert texts == [f"y {i} " for i in range(8)]
+    assert asyncio.run(client.agenerate("on a new loop")).text == "loop new a on "
     assert pieces == ["r ", "q ", "p "]
     assert scores.best.choice == "a"
 

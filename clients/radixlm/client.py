@@ -95,7 +95,7 @@ class TritonClient:
         self._lock = threading.Lock()
         self._idle: list[grpcclient.InferenceServerClient] = []
         self._active: dict[str, _Call] = {}
-        self._async_clients: dict[int, Any] = {}  # id(event loop) -> AsyncTritonClient
+        self._async_clients: dict[int, tuple] = {}  # id(loop) -> (loop, AsyncTritonClient)
         self._config: dict | None = None
 
     # -- blocking API -------------------------------------------------------------------
@@ -160,11 +160,14 @@ class TritonClient:
 
         loop = asyncio.get_running_loop()
         with self._lock:
-            client = self._async_clients.get(id(loop))
-            if client is None:
-                client = AsyncTritonClient(self.url, self.model, self._verbose)
-                self._async_clients[id(loop)] = client
-        return client
+            # Forget clients of closed loops (asyncio.run closes its loop; ids get reused).
+            self._async_clients = {k: v for k, v in self._async_clients.items()
+                                   if not v[0].is_closed()}
+            entry = self._async_clients.get(id(loop))
+            if entry is None or entry[0] is not loop:
+                entry = (loop, AsyncTritonClient(self.url, self.model, self._verbose))
+                self._async_clients[id(loop)] = entry
+        return entry[1]
 
     async def agenerate(self, prompt: str | Sequence[int], **params) -> GenerateResult:
         return await self._aio().generate(prompt, **params)
