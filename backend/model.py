@@ -14,7 +14,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import wire
-from backend.serving import EngineLoop, engine_config_from_parameters
+from backend.serving import EngineLoop
+from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -80,8 +81,10 @@ class TritonPythonModel:
         # Relative paths resolve against the model's folder, the model repository, and
         # the folder holding the repository (the project root for model_repository/).
         model_dir = Path(args["model_repository"])
-        search_dirs = [model_dir, model_dir.parent, model_dir.parent.parent]
+        search_dirs = [model_dir, model_dir.parent, model_dir.parent.parent, PROJECT_ROOT]
         config = engine_config_from_parameters(parameters, search_dirs)
+        self.logger = pb_utils.Logger
+        self._check_model_info(parameters, search_dirs)
         if args.get("model_instance_kind") == "GPU" and config.device == "cuda":
             # KIND_GPU places one instance per GPU: pin this one to its device.
             device = f"cuda:{args['model_instance_device_id']}"
@@ -89,12 +92,20 @@ class TritonPythonModel:
 
         from backend.core import Engine  # heavy (torch); after the config is known to be valid
 
-        self.logger = pb_utils.Logger
         self.logger.log_info(f"radixlm: building the engine: {config}")
         self.engine = Engine(config)
         self.loop = EngineLoop(self.engine, on_error=self.logger.log_error)
         self.loop.start()
         self.logger.log_info("radixlm: engine ready")
+
+    def _check_model_info(self, parameters: dict, search_dirs: list[Path]) -> None:
+        """Clients read chat_template / eos_token / bos_token from config.pbtxt (Triton
+        keeps a Python backend from adding parameters itself): warn when they disagree
+        with the served model's tokenizer files."""
+        for key, value in read_model_info(parameters, search_dirs).items():
+            if key in parameters and parameters[key] != value:
+                self.logger.log_warn(f"radixlm: config.pbtxt parameter {key!r} differs from "
+                                     "the model's tokenizer files; clients will use the former")
 
     def execute(self, requests):
         """Only parse and hand over: the engine loop thread sends every response."""

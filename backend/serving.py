@@ -14,7 +14,6 @@ Response rules:
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -22,13 +21,11 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from backend import wire
-from backend.core.config import EngineConfig
 
 log = logging.getLogger("radixlm.serving")
 
@@ -39,62 +36,6 @@ class ResponseSink(Protocol):
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
     def send_error(self, message: str, cancelled: bool = False) -> None: ...  # always final
     def is_cancelled(self) -> bool: ...
-
-
-# ---- engine settings from config.pbtxt parameters ------------------------------------
-
-_PATH_KEYS = ("model_path", "tokenizer_path")
-
-
-def _convert(key: str, annotation: str, text: str) -> Any:
-    text = text.strip()
-    if "None" in annotation and text.lower() in ("", "none", "null"):
-        return None
-    try:
-        if annotation.startswith("bool"):
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1", "yes")
-        if annotation.startswith("int"):
-            return int(text)
-        if annotation.startswith("float"):
-            return float(text)
-    except ValueError:
-        raise ValueError(f"model parameter {key}={text!r} is not a valid {annotation}") from None
-    return text
-
-
-def resolve_path(value: str, search_dirs: list[Path]) -> str:
-    """An absolute path as is; a relative one against the first search dir holding it."""
-    path = Path(value).expanduser()
-    if path.is_absolute():
-        return str(path)
-    for base in search_dirs:
-        if (base / path).exists():
-            return str((base / path).resolve())
-    tried = ", ".join(str(b / path) for b in search_dirs)
-    raise ValueError(f"{value!r} not found (tried {tried})")
-
-
-def engine_config_from_parameters(parameters: Mapping[str, str],
-                                  search_dirs: list[Path]) -> EngineConfig:
-    """EngineConfig from config.pbtxt ``parameters`` (all strings). Every EngineConfig
-    field may be set by its name; unknown lower-case keys are an error (upper-case keys
-    belong to Triton's Python backend, e.g. EXECUTION_ENV_PATH)."""
-    fields = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
-    kwargs: dict[str, Any] = {}
-    for key, text in parameters.items():
-        if key.isupper():
-            continue
-        if key not in fields:
-            raise ValueError(f"unknown model parameter {key!r}; known: {', '.join(sorted(fields))}")
-        value = _convert(key, fields[key], text)
-        if key in _PATH_KEYS and value is not None:
-            value = resolve_path(value, search_dirs)
-        kwargs[key] = value
-    if "model_path" not in kwargs:
-        raise ValueError("config.pbtxt must set the parameter 'model_path'")
-    return EngineConfig(**kwargs)
 
 
 # ---- request bookkeeping --------------------------------------------------------------

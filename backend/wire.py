@@ -9,15 +9,20 @@ Request modes, decided by what the request carries:
   * scoring:    ``choices`` (JSON list of strings) -> one response with ``choice_scores``;
   * debug:      request parameter ``debug: "stats"`` -> one response with ``stats``
                 (engine counters plus the KV integrity check, as JSON).
+
+Also here: the model's config.pbtxt ``parameters`` -> ``EngineConfig``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from backend.core.config import EngineConfig
 from backend.core.sampling_params import SamplingParams
 
 # Inputs
@@ -47,27 +52,20 @@ DEBUG = "debug"
 DEBUG_STATS = "stats"
 RESERVED_PARAMETERS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, DEBUG)
 
-INPUT_SPECS = (
-    {"name": TEXT_INPUT, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": INPUT_IDS, "data_type": "TYPE_INT32", "dims": [-1], "optional": True},
-    {"name": STREAM, "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-    {"name": SAMPLING_PARAMETERS, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": EXCLUDE_INPUT_IN_OUTPUT, "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-    {"name": CHOICES, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-)
-OUTPUT_SPECS = (
-    {"name": TEXT_OUTPUT, "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": OUTPUT_IDS, "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": FINISH_REASON, "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": NUM_INPUT_TOKENS, "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": NUM_OUTPUT_TOKENS, "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": NUM_CACHED_TOKENS, "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": INDEX, "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": LOGPROBS, "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": CHOICE_SCORES, "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": CONTEXT_IDS, "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": STATS, "data_type": "TYPE_STRING", "dims": [-1]},
-)
+# config.pbtxt parameters that describe the model to clients (published by the backend
+# from the model's tokenizer files when config.pbtxt does not set them); not engine settings.
+MODEL_INFO_PARAMETERS = ("chat_template", "eos_token", "bos_token")
+
+INPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": dims, "optional": True}
+                    for name, dtype, dims in (
+    (TEXT_INPUT, "TYPE_STRING", [1]), (INPUT_IDS, "TYPE_INT32", [-1]),
+    (STREAM, "TYPE_BOOL", [1]), (SAMPLING_PARAMETERS, "TYPE_STRING", [1]),
+    (EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", [1]), (CHOICES, "TYPE_STRING", [1])))
+OUTPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": [-1]} for name, dtype in (
+    (TEXT_OUTPUT, "TYPE_STRING"), (OUTPUT_IDS, "TYPE_INT32"), (FINISH_REASON, "TYPE_STRING"),
+    (NUM_INPUT_TOKENS, "TYPE_INT32"), (NUM_OUTPUT_TOKENS, "TYPE_INT32"),
+    (NUM_CACHED_TOKENS, "TYPE_INT32"), (INDEX, "TYPE_INT32"), (LOGPROBS, "TYPE_STRING"),
+    (CHOICE_SCORES, "TYPE_STRING"), (CONTEXT_IDS, "TYPE_INT32"), (STATS, "TYPE_STRING")))
 INPUT_NAMES = tuple(spec["name"] for spec in INPUT_SPECS)
 
 
@@ -186,6 +184,87 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any
     except (ValueError, TypeError) as exc:
         raise InputError(str(exc)) from exc
     return GenerateJob(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input)
+
+
+# ---- config.pbtxt parameters -> engine settings -------------------------------------
+
+_PATH_KEYS = ("model_path", "tokenizer_path")
+# Where relative model paths may also live: the project root holding backend/ (this file
+# is backend/wire.py; with an editable install it stays in the project).
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _convert(key: str, annotation: str, text: str) -> Any:
+    text = text.strip()
+    if "None" in annotation and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if annotation.startswith("bool"):
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        if annotation.startswith("int"):
+            return int(text)
+        if annotation.startswith("float"):
+            return float(text)
+    except ValueError:
+        raise ValueError(f"model parameter {key}={text!r} is not a valid {annotation}") from None
+    return text
+
+
+def resolve_path(value: str, search_dirs: list[Path]) -> str:
+    """An absolute path as is; a relative one against the first search dir holding it."""
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    for base in search_dirs:
+        if (base / path).exists():
+            return str((base / path).resolve())
+    tried = ", ".join(str(b / path) for b in search_dirs)
+    raise ValueError(f"{value!r} not found (tried {tried})")
+
+
+def engine_config_from_parameters(parameters: Mapping[str, str],
+                                  search_dirs: list[Path]) -> EngineConfig:
+    """EngineConfig from config.pbtxt ``parameters`` (all strings). Every EngineConfig
+    field may be set by its name; unknown lower-case keys are an error (upper-case keys
+    belong to Triton's Python backend, e.g. EXECUTION_ENV_PATH)."""
+    fields = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
+    kwargs: dict[str, Any] = {}
+    for key, text in parameters.items():
+        if key.isupper() or key in MODEL_INFO_PARAMETERS:
+            continue
+        if key not in fields:
+            raise ValueError(f"unknown model parameter {key!r}; known: {', '.join(sorted(fields))}")
+        value = _convert(key, fields[key], text)
+        if key in _PATH_KEYS and value is not None:
+            value = resolve_path(value, search_dirs)
+        kwargs[key] = value
+    if "model_path" not in kwargs:
+        raise ValueError("config.pbtxt must set the parameter 'model_path'")
+    return EngineConfig(**kwargs)
+
+
+def read_model_info(parameters: Mapping[str, str], search_dirs: list[Path]) -> dict[str, str]:
+    """chat_template / eos_token / bos_token of the configured model, read from its
+    tokenizer files (no tokenizer is loaded); {} when the folder cannot be read."""
+    try:
+        path = parameters.get("tokenizer_path") or parameters["model_path"]
+        folder = Path(resolve_path(path, search_dirs))
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (KeyError, ValueError, OSError):
+        return {}
+    info = {}
+    template_file = folder / "chat_template.jinja"
+    template = template_file.read_text() if template_file.exists() else config.get("chat_template")
+    if isinstance(template, str):
+        info["chat_template"] = template
+    for key in ("eos_token", "bos_token"):
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            info[key] = token
+    return info
 
 
 # ---- encoding -------------------------------------------------------------------------

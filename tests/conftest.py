@@ -125,7 +125,7 @@ def triton_server(tmp_path_factory) -> TritonServer:
 def reference_engine():
     """An in-process Engine with the served model's config.pbtxt settings."""
     from backend.core import Engine
-    from backend.serving import engine_config_from_parameters
+    from backend.wire import engine_config_from_parameters
 
     ensure_default_model()
     search_dirs = [MODEL_REPOSITORY / SERVED_MODEL, MODEL_REPOSITORY, REPO]

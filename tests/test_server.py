@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,9 +13,11 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from backend.core import SamplingParams
+from backend.wire import read_model_info
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default"
 GREEDY = {"temperature": 0, "max_tokens": 8}
 PROMPTS = {
     "en": "The quick brown fox jumps over the lazy dog because",
@@ -296,3 +299,13 @@ def test_logprobs_are_returned_when_asked(triton_server):
     logprobs = json.loads(out["logprobs"])
     assert [lp["token_id"] for lp in logprobs] == out["output_ids"]
     assert all(lp["logprob"] <= 0 and len(lp["top_logprobs"]) == 2 for lp in logprobs)
+
+
+def test_model_config_gives_clients_the_served_models_chat_template(triton_server):
+    config = requests.get(f"http://{triton_server.http_url}/v2/models/{triton_server.model}"
+                          "/config", timeout=30).json()
+    published = {k: v["string_value"] for k, v in config["parameters"].items()}
+    from_tokenizer = read_model_info({"model_path": str(DEFAULT_MODEL)}, [])
+    assert from_tokenizer["eos_token"] == "<|im_end|>"
+    assert published["eos_token"] == from_tokenizer["eos_token"]
+    assert published["chat_template"] == from_tokenizer["chat_template"]

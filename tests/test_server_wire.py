@@ -113,3 +113,37 @@ def test_every_encoded_tensor_is_declared():
                                   num_input_tokens=1, num_output_tokens=1,
                                   num_cached_tokens=0, index=0, logprobs=[])
     assert set(out) | set(wire.stats_outputs({})) | set(wire.score_outputs([], 1, 0)) <= declared
+
+
+def test_config_parameters_become_an_engine_config(tmp_path):
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    config = wire.engine_config_from_parameters({
+        "model_path": "models/m", "max_total_tokens": "4096", "enable_radix_cache": "false",
+        "schedule_policy": "fcfs", "context_length": "", "EXECUTION_ENV_PATH": "/x.tar.gz",
+        "chat_template": "{{ messages }}",
+    }, [tmp_path / "nowhere", tmp_path])
+    assert config.model_path == str(tmp_path / "models" / "m")
+    assert config.max_total_tokens == 4096 and config.enable_radix_cache is False
+    assert config.schedule_policy == "fcfs" and config.context_length is None
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"model_path": "/m", "max_totl_tokens": "1"}, "unknown model parameter 'max_totl_tokens'"),
+    ({"model_path": "/m", "max_total_tokens": "lots"}, "max_total_tokens='lots' is not a valid"),
+    ({"model_path": "/m", "enable_radix_cache": "maybe"}, "enable_radix_cache='maybe'"),
+    ({"dtype": "float32"}, "must set the parameter 'model_path'"),
+    ({"model_path": "missing/dir"}, "'missing/dir' not found"),
+])
+def test_bad_config_parameters_fail_the_load_clearly(parameters, message):
+    with pytest.raises(ValueError) as info:
+        wire.engine_config_from_parameters(parameters, [])
+    assert message in str(info.value)
+
+
+def test_model_info_comes_from_the_tokenizer_files(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "</s>"}, "bos_token": "<s>", "chat_template": "old"}))
+    (tmp_path / "chat_template.jinja").write_text("{{ new }}")
+    info = wire.read_model_info({"model_path": str(tmp_path)}, [])
+    assert info == {"chat_template": "{{ new }}", "eos_token": "</s>", "bos_token": "<s>"}
+    assert wire.read_model_info({"model_path": str(tmp_path / "gone")}, []) == {}
