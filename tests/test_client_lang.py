@@ -14,8 +14,7 @@ except ImportError:  # not pip-installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
     import radixlm
 
-from radixlm import assistant, gen, select, system, user
-from radixlm.chat_template import ChatTemplate
+from radixlm import gen, select
 from radixlm.testing import FakeBackend
 
 
@@ -154,57 +153,6 @@ def test_gen_with_choices_is_a_select():
 
     assert prog.run(backend=backend)["grade"] == "B"
     assert [c[0] for c in backend.calls] == ["score"]
-
-
-LLAMA3_STYLE = (
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    " + message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}"
-)
-
-
-def test_roles_render_with_the_models_chat_template_and_build_messages():
-    template = ChatTemplate.from_jinja(LLAMA3_STYLE)
-    backend = FakeBackend(reply=lambda prompt, params: "Paris", template=template)
-
-    @radixlm.function
-    def prog(s, question):
-        s += system("Be brief.")
-        with s.user():
-            s += question
-        s += assistant(gen("answer"))
-
-    state = prog.run(question="Capital of France?", backend=backend)
-    assert state.text() == (
-        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-        "<|start_header_id|>user<|end_header_id|>\n\nCapital of France?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\nParis<|eot_id|>")
-    assert backend.calls[0][1].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    assert state.messages() == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Capital of France?"},
-        {"role": "assistant", "content": "Paris"},
-    ]
-
-
-def test_a_template_default_system_prompt_is_added_when_the_program_has_none():
-    qwen_style = (
-        "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-        "{{ '<|im_start|>system\nDefault.<|im_end|>\n' }}{% endif %}"
-        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-        "{% endfor %}")
-    backend = FakeBackend(template=ChatTemplate.from_jinja(qwen_style))
-
-    @radixlm.function
-    def prog(s):
-        s += user("hi") + assistant(gen("a"))
-
-    assert prog.run(backend=backend).text() == (
-        "<|im_start|>system\nDefault.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-        "<|im_start|>assistant\nok<|im_end|>\n")
 
 
 def test_run_batch_of_32_programs_returns_each_states_own_variables_in_order():
