@@ -44,8 +44,9 @@ serve: env model
 	done; \
 	echo; echo "== streamed answer to: $(PROMPT)"; \
 	curl -sN -X POST localhost:$(HTTP_PORT)/v2/models/llm/generate_stream \
-	    -d '{"text_input": "$(PROMPT)", "stream": true, "sampling_parameters": "{\"max_tokens\": 24, \"temperature\": 0}"}'; \
-	echo "== serving: HTTP :$(HTTP_PORT)  gRPC :$(GRPC_PORT)  metrics :$(METRICS_PORT)  (Ctrl-C stops)"; \
+	    -d '{"text_input": "$(PROMPT)", "stream": true, "sampling_parameters": "{\"max_tokens\": 24, \"temperature\": 0}"}' \
+	    | awk -F'"text_output":"' '/^data:/ { sub(/"}$$/, "", $$2); printf "%s", $$2; fflush() }'; \
+	echo; echo "== serving: HTTP :$(HTTP_PORT)  gRPC :$(GRPC_PORT)  metrics :$(METRICS_PORT)  (Ctrl-C stops)"; \
 	wait $$server
 
 test: env model
