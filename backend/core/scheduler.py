@@ -22,6 +22,10 @@ from .radix_cache import RadixCache
 from .request import Req, ReqStatus
 
 LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step costs too much
+# A waiting request that shares at least this many uncached tokens with one admitted in
+# the same step waits a step: next step those tokens come from the cache instead of
+# being computed twice (few-shot batches arriving together).
+IN_BATCH_SHARE_MIN = 32
 
 
 @dataclass
@@ -103,6 +107,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int) -> list[ScheduledItem]:
         items: list[ScheduledItem] = []
         admitted_arrivals: list[float] = []
+        admitted_prompts: list[list[int]] = []
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -115,6 +120,10 @@ class Scheduler:
             if self.req_pool.available_size() == 0:
                 break
             match = self.cache.match_prefix(req.fill_ids[:req.max_match_len()])
+            if self.cache.enabled and any(
+                    _common_len(req.fill_ids, other) - len(match.kv_indices) >= IN_BATCH_SHARE_MIN
+                    for other in admitted_prompts):
+                continue
             self.cache.lock(match.last_node)
             n = min(len(req.fill_ids) - len(match.kv_indices), budget)
             if not self._can_admit(n):
@@ -123,6 +132,7 @@ class Scheduler:
             self._admit(req, match)
             items.append(self._extend(req, n))
             admitted_arrivals.append(req.arrival)
+            admitted_prompts.append(req.fill_ids)
             budget -= n
         if admitted_arrivals:
             latest = max(admitted_arrivals)
@@ -226,6 +236,14 @@ class Scheduler:
     def owned_slots(self) -> list[int]:
         """Slots held by running requests and not (yet) by the tree."""
         return [s for r in self.running for s in r.kv_indices[r.prefix_len:]]
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _prompt_cached(req: Req) -> bool:

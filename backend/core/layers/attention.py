@@ -30,30 +30,40 @@ class AttentionBackend(ABC):
 
 
 class TorchAttention(AttentionBackend):
-    """Reference implementation: a loop over requests with PyTorch SDPA."""
+    """Reference implementation with PyTorch SDPA: one padded call for decode batches,
+    a loop over requests for extends."""
 
     def forward(self, q, k, v, layer_id, batch, scale):
         k_buf = self.kv_pool.k_buffer[layer_id]
         v_buf = self.kv_pool.v_buffer[layer_id]
         k_buf[batch.out_cache_loc] = k.to(k_buf.dtype)
         v_buf[batch.out_cache_loc] = v.to(v_buf.dtype)
+        gqa = q.shape[1] != k.shape[1]
+        if batch.is_decode:
+            return self._decode(q, k_buf, v_buf, batch, scale, gqa)
         out = torch.empty_like(q)
-        num_heads, num_kv_heads = q.shape[1], k.shape[1]
-        group = num_heads // num_kv_heads
         start = 0
         for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)):
             seq_len = prefix + n
             slots = self.req_to_token[batch.req_pool_indices[i], :seq_len].long()
             keys = k_buf[slots].transpose(0, 1)  # [KVH, S, D]
             values = v_buf[slots].transpose(0, 1)
-            if group > 1:
-                keys = keys.repeat_interleave(group, dim=0)
-                values = values.repeat_interleave(group, dim=0)
             query = q[start:start + n].transpose(0, 1)  # [H, n, D]
             # query j sits at absolute position prefix + j and sees keys 0..prefix + j
             mask = torch.ones((n, seq_len), dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-            o = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values,
-                                               attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values, attn_mask=mask,
+                                               scale=scale, enable_gqa=gqa)
             out[start:start + n] = o.transpose(0, 1).to(out.dtype)
             start += n
         return out
+
+    def _decode(self, q, k_buf, v_buf, batch, scale, gqa):
+        max_len = batch.max_seq_len
+        slots = self.req_to_token[batch.req_pool_indices, :max_len].long()  # [B, S]
+        keys = k_buf[slots].permute(0, 2, 1, 3)  # [B, KVH, S, D]
+        values = v_buf[slots].permute(0, 2, 1, 3)
+        valid = torch.arange(max_len, device=q.device) < batch.seq_lens.unsqueeze(1)  # [B, S]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
+                                           attn_mask=valid[:, None, None, :], scale=scale,
+                                           enable_gqa=gqa)
+        return o.squeeze(2).to(q.dtype)

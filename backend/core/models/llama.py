@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..forward_batch import ForwardBatch
@@ -83,7 +84,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+        return F.linear(hidden, self.lm_head_weight).float()
 
     # ------------------------------------------------------------------ weights
     _stacked = (  # checkpoint name piece -> (our parameter, shard index)
