@@ -3,8 +3,9 @@
 ``model.py`` turns each Triton request into a job (``wire.parse_request``) and a
 ``ResponseSink`` (its response sender); ``EngineLoop.submit`` hands the job to the
 engine. One background thread owns ``engine.step()``: it routes every StepOutput to its
-sink, polls sinks for client cancellation (and aborts those requests in the engine), and
-answers debug ``stats`` jobs between steps, when no forward pass is in flight.
+sink, polls sinks for client cancellation between steps (at most every ``cancel_poll_s``:
+each poll costs an IPC round trip per pending request) and aborts cancelled requests in
+the engine, and answers debug ``stats`` jobs between steps, when no forward pass runs.
 
 Response rules:
   * streaming: one response per step per sample with only the new output; the
@@ -63,7 +64,7 @@ class _Tracked:
 class EngineLoop:
     """Owns the engine's step loop in one background thread."""
 
-    def __init__(self, engine, idle_wait_s: float = 0.05, cancel_poll_s: float = 0.02,
+    def __init__(self, engine, idle_wait_s: float = 0.05, cancel_poll_s: float = 0.1,
                  on_error: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
