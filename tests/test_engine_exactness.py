@@ -20,6 +20,10 @@ SETTINGS = {
     # of finished prefixes and retraction of running requests
     "small-pool": dict(enable_radix_cache=True, max_total_tokens=140, max_prefill_tokens=16),
     "small-pool-no-cache": dict(enable_radix_cache=False, max_total_tokens=140, max_prefill_tokens=16),
+    # overlap scheduling (on by default on CUDA): steps are built before the previous
+    # step's tokens reach the host
+    "overlap": dict(enable_overlap=True, max_prefill_tokens=7),
+    "overlap-small-pool": dict(enable_overlap=True, max_total_tokens=140, max_prefill_tokens=16),
 }
 
 _REFERENCE: dict = {}

@@ -20,6 +20,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    # "auto": safetensors from model_path; "dummy": seeded random weights from config.json
+    # alone (speed work on real model shapes without multi-GB weight files)
+    load_format: str = "auto"
 
     # memory
     max_total_tokens: int | None = None
@@ -39,7 +42,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "torch", "triton" or "auto"
     enable_cuda_graph: bool = True
     cuda_graph_max_batch: int = 160
-    enable_overlap: bool = True
+    # overlap CPU scheduling with device work; None: on for CUDA devices (where the
+    # device runs asynchronously), off on CPU (nothing to overlap with)
+    enable_overlap: bool | None = None
 
     # structured decoding
     enable_jump_forward: bool = True
@@ -60,8 +65,16 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens must be at least 1")
         if self.starvation_bound < 0:
             raise ValueError("starvation_bound must be >= 0")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("load_format must be 'auto' or 'dummy'")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton'")
+
+    @property
+    def overlap(self) -> bool:
+        if self.enable_overlap is None:
+            return self.device.startswith("cuda")
+        return self.enable_overlap
 
     @property
     def tokenizer_dir(self) -> str:

@@ -20,6 +20,7 @@ from .radix_cache import NoCache, RadixCache
 from .request import Req
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .forward_step import ForwardStep, InFlight
 from .step_processor import StepProcessor
 
 
@@ -33,9 +34,11 @@ class Engine:
         self.context_len = self.runner.context_len
         pool = self.runner.kv_pool
         self.cache = RadixCache(pool) if config.enable_radix_cache else NoCache(pool)
-        self.scheduler = Scheduler(config, pool, self.runner.req_pool, self.cache)
+        self.scheduler = Scheduler(config, pool, self.runner.req_pool, self.cache, self.context_len)
         self.eos_token_ids = _eos_ids(config.model_path, self.tokenizer)
         self.processor = StepProcessor(self)
+        self.forward_step = ForwardStep(self)
+        self._inflight: InFlight | None = None
         self.grammar = None  # grammar.GrammarBackend, created with the first constrained request
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
@@ -155,7 +158,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_work()
+        return bool(self._inbox) or self._inflight is not None or self.scheduler.has_work()
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         if self.has_work():
@@ -166,15 +169,34 @@ class Engine:
         return self._work.wait(timeout)
 
     def step(self) -> list[StepOutput]:
+        """One scheduling round. With overlap on, the step launched here runs on the device
+        while the host reads and accounts for the previous one; otherwise each step is
+        launched and read before returning."""
         outputs = self._drain_inbox()
         outputs += self._resolve_grammars()
+        if self._inflight is not None and not self._can_overlap():
+            outputs += self._read_inflight()
         items = self.scheduler.schedule()
         for req in self.scheduler.forced_finish:
             outputs += self.processor.finish(req, req.finish_reason)
         self.scheduler.forced_finish.clear()
-        if items:
-            outputs += self.processor.run(items)
+        launched = self.forward_step.launch(items) if items else None
+        outputs += self._read_inflight()
+        self._inflight = launched
+        if not self.config.overlap:
+            outputs += self._read_inflight()
         return outputs
+
+    def _read_inflight(self) -> list[StepOutput]:
+        flight, self._inflight = self._inflight, None
+        return self.processor.process(flight) if flight is not None else []
+
+    def _can_overlap(self) -> bool:
+        """Grammar masks, penalties and jump-forward need the previous token on the host
+        before the next step is built."""
+        return self.config.overlap and not any(
+            r.grammar is not None or r.grammar_future is not None or r.params.has_penalties
+            for r in self.scheduler.running)
 
     def _drain_inbox(self) -> list[StepOutput]:
         with self._inbox_lock:

@@ -36,6 +36,13 @@ class ModelRunner:
         self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1,
                                        str(self.device))
         self.attn = self._make_attention()
+        self.graphs = None
+        if self.device.type == "cuda" and config.enable_cuda_graph and self.attn.supports_cuda_graph:
+            from .cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self.model, self.attn, self.req_pool.req_to_token,
+                                          min(config.cuda_graph_max_batch, config.max_running_requests),
+                                          self.device)
 
     # ------------------------------------------------------------------ set-up
     def _load_model(self) -> torch.nn.Module:
@@ -46,7 +53,10 @@ class ModelRunner:
         # rotary tables were wiped by to_empty: rebuild them in float32
         model.rotary = type(model.rotary)(self.hf_config, model.layers[0].self_attn.head_dim,
                                           self.context_len + 1).to(self.device)
-        model.load_weights(self._iter_weights())
+        if self.config.load_format == "dummy":
+            _init_dummy(model, self.config.seed)
+        else:
+            model.load_weights(self._iter_weights())
         model.eval()
         return model
 
@@ -83,13 +93,19 @@ class ModelRunner:
         if choice == "triton":
             from .layers.triton_attention import TritonAttention
 
-            return TritonAttention(self.kv_pool, self.req_pool.req_to_token)
+            # the decode workspace is allocated once, for the largest possible decode batch,
+            # so CUDA graphs captured over it never see it move
+            return TritonAttention(self.kv_pool, self.req_pool.req_to_token,
+                                   num_heads=self.hf_config.num_attention_heads,
+                                   max_batch_size=self.config.max_running_requests)
         return TorchAttention(self.kv_pool, self.req_pool.req_to_token)
 
     # ------------------------------------------------------------------ running
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of the rows ``batch.logits_indices``."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.model.compute_logits(self.graphs.replay(batch))
         # record where this step's tokens live, so attention can find them by position
         rows = torch.repeat_interleave(batch.req_pool_indices, batch.extend_seq_lens,
                                        output_size=batch.num_tokens)  # no host sync
@@ -97,3 +113,14 @@ class ModelRunner:
         self.attn.prepare(batch)
         hidden = self.model(batch, self.attn)
         return self.model.compute_logits(hidden)
+
+
+@torch.no_grad()
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights on the model's device: norms 1, the rest N(0, 0.02)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02)

@@ -114,8 +114,11 @@ class SamplingParams:
 
         for name in ("max_new_tokens", "top_k", "n", "logprobs"):
             value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool) or name == "logprobs",
+            check(isinstance(value, int) and not isinstance(value, bool),
                   f"{name} must be an integer, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            check(isinstance(getattr(self, name), bool),
+                  f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
@@ -133,7 +136,7 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}")
-        check(0 <= int(self.logprobs) <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
+        check(0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(self.prompt_logprobs_start is None or self.prompt_logprobs_start >= 0,

@@ -34,16 +34,15 @@ class ScheduledItem:
     num_new: int  # tokens given KV this step
     prefix_len: int  # tokens with KV before this step
     new_slots: list[int]
-
-    @property
-    def samples(self) -> bool:
-        return self.req.num_uncomputed == 0
+    samples: bool  # all of the request's tokens have KV after this step: it samples one
+    out_index: int = -1  # where its sampled token goes in output_ids (set at launch)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_pool: KVPool, req_pool: ReqToTokenPool,
-                 cache: RadixCache) -> None:
+                 cache: RadixCache, context_len: int) -> None:
         self.config = config
+        self.context_len = context_len
         self.kv_pool = kv_pool
         self.req_pool = req_pool
         self.cache = cache
@@ -73,7 +72,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running
     def _schedule_running(self) -> list[ScheduledItem]:
-        decode = [r for r in self.running if r.num_uncomputed == 1]
+        decode = [r for r in self.running if r.num_uncomputed == 1 and not _will_finish(r, self.context_len)]
         while decode and not self._ensure_free(len(decode)):
             victim = max(decode, key=lambda r: (r.admit_time, r.rid))
             if len(self.running) == 1:
@@ -188,9 +187,9 @@ class Scheduler:
     def _extend(self, req: Req, n: int) -> ScheduledItem:
         slots = self.kv_pool.alloc(n)
         assert slots is not None, "caller checked free space"
-        item = ScheduledItem(req, n, req.num_computed, slots)
+        prefix = req.num_computed
         req.kv_indices.extend(slots)
-        return item
+        return ScheduledItem(req, n, prefix, slots, samples=req.num_uncomputed == 0)
 
     def _unextend(self, item: ScheduledItem) -> None:
         del item.req.kv_indices[item.prefix_len:]
@@ -200,7 +199,7 @@ class Scheduler:
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill chunk: put the computed tokens into the tree and take the
         tree's slots, so the next requests (and the next chunk) share them."""
-        if not self.cache.enabled:
+        if not self.cache.enabled or req.status is not ReqStatus.RUNNING:
             return
         tokens = req.fill_ids[:req.num_computed]
         present = self.cache.insert(tokens, req.kv_indices)
@@ -236,6 +235,12 @@ class Scheduler:
     def owned_slots(self) -> list[int]:
         """Slots held by running requests and not (yet) by the tree."""
         return [s for r in self.running for s in r.kv_indices[r.prefix_len:]]
+
+
+def _will_finish(req: Req, context_len: int) -> bool:
+    """Its last (possibly still in-flight) token reaches a length limit."""
+    return len(req.output_ids) >= req.params.max_new_tokens or \
+        len(req.origin_input_ids) + len(req.output_ids) >= context_len
 
 
 def _common_len(a: list[int], b: list[int]) -> int:

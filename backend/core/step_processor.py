@@ -5,14 +5,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
 
 from .detokenizer import STATELESS_CONTEXT_IDS
-from .forward_batch import ForwardBatch
 from .output_processor import TextState
 from .outputs import RequestOutput, StepOutput, TokenLogprob
 from .request import Req
-from .sampling import SamplingRow, sample
+from .forward_step import InFlight
 from .scheduler import ScheduledItem
 
 if TYPE_CHECKING:
@@ -31,86 +29,36 @@ class StepProcessor:
         for r in reqs:
             r.detok = TextState(tok, r.origin_input_ids, r.params.stop, r.params.skip_special_tokens)
 
-    # ------------------------------------------------------------------ a step
-    def run(self, items: list[ScheduledItem]) -> list[StepOutput]:
-        batch, prompt_rows, sample_rows = self._build(items)
-        logits = self.engine.runner.forward(batch)
-        if prompt_rows:
-            self._record_prompt_logprobs(logits, prompt_rows)
-        sampled = [it for it in items if it.samples]
-        tokens = self._sample(logits, sampled, sample_rows) if sampled else ([], None)
+    # ------------------------------------------------------------------ a step's results
+    def process(self, flight: InFlight) -> list[StepOutput]:
+        """Read a launched step's results (the host's one wait) and account for them."""
+        tokens = flight.token_ids()
+        if flight.prompt_rows:
+            values = flight.prompt_logprobs.tolist()
+            for (r, _, t), v in zip(flight.prompt_rows, values):
+                r.partial_prompt_logprobs.append(TokenLogprob(t, v))
+        lp = None
+        res = flight.result
+        if res is not None and res.logprobs is not None:
+            lp = (res.logprobs.tolist(), _maybe_list(res.top_ids), _maybe_list(res.top_logprobs))
         outputs: list[StepOutput] = []
-        for it in items:
-            if not it.samples:
+        for it in flight.items:
+            if not it.samples and not it.req.finished:
                 self.engine.scheduler.cache_unfinished(it.req)
-        for i, it in enumerate(sampled):
-            outputs += self._on_token(it, tokens[0][i], _row_logprobs(tokens[1], i))
+        for i, it in enumerate(flight.sampled):
+            if it.req.finished:  # ended (abort, limit) while this step was in flight
+                continue
+            outputs += self._on_token(it, tokens[i], _row_logprobs(lp, i))
         return outputs
 
-    def _build(self, items: list[ScheduledItem]):
-        input_ids, rows, prefix_lens, new_lens, locs, logits_idx = [], [], [], [], [], []
-        prompt_rows: list[tuple[Req, int, int]] = []  # (req, logits row, token it scores)
-        sample_rows: list[int] = []
-        offset = 0
-        for it in items:
-            r, a, n = it.req, it.prefix_len, it.num_new
-            fill = r.fill_ids
-            input_ids += fill[a:a + n]
-            rows.append(r.req_pool_idx)
-            prefix_lens.append(a)
-            new_lens.append(n)
-            locs += it.new_slots
-            if r.wants_prompt_logprobs:
-                # the logit at position p scores prompt token p + 1
-                first = max(r.params.prompt_logprobs_start, 1) - 1
-                for p in range(max(a, first), min(a + n, len(r.origin_input_ids) - 1)):
-                    prompt_rows.append((r, len(logits_idx), fill[p + 1]))
-                    logits_idx.append(offset + p - a)
-            if it.samples:
-                sample_rows.append(len(logits_idx))
-                logits_idx.append(offset + n - 1)
-            offset += n
-        batch = ForwardBatch.build(input_ids=input_ids, req_pool_indices=rows,
-                                   extend_prefix_lens=prefix_lens, extend_seq_lens=new_lens,
-                                   out_cache_loc=locs, logits_indices=logits_idx,
-                                   device=self.engine.runner.device)
-        return batch, prompt_rows, sample_rows
-
-    def _record_prompt_logprobs(self, logits, prompt_rows) -> None:
-        idx = torch.tensor([row for _, row, _ in prompt_rows], device=logits.device)
-        tok = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
-        values = torch.log_softmax(logits[idx], dim=-1).gather(1, tok.unsqueeze(1)).squeeze(1).tolist()
-        for (r, _, t), v in zip(prompt_rows, values):
-            r.partial_prompt_logprobs.append(TokenLogprob(t, v))
-
-    def _sample(self, logits, sampled: list[ScheduledItem], sample_rows: list[int]):
-        reqs = [it.req for it in sampled]
-        rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, r.generator) for r in reqs]
-        top = max(r.params.logprobs for r in reqs)
-        logits = logits[sample_rows]
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if constrained:
-            grammar = self.engine.grammar
-            bitmask = grammar.allocate_bitmask(len(reqs))
-            for i in constrained:
-                reqs[i].grammar.fill_bitmask(bitmask, i)
-            grammar.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), constrained)
-        res = sample(logits, rows, num_top_logprobs=top if top > 1 else 0,
-                     want_logprobs=top > 0)
-        token_ids = res.token_ids.tolist()  # the step's one device -> host sync
-        lp = None
-        if res.logprobs is not None:
-            lp = (res.logprobs.tolist(), res.top_ids.tolist() if res.top_ids is not None else None,
-                  res.top_logprobs.tolist() if res.top_logprobs is not None else None)
-        return token_ids, lp
-
-    # ------------------------------------------------------------------ tokens
     def _on_token(self, it: ScheduledItem, tok: int, lp) -> list[StepOutput]:
         r, eng = it.req, self.engine
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
             if r.params.prompt_logprobs_start is not None:
                 r.prompt_logprobs = r.partial_prompt_logprobs
+        later = r.output_ids[it.out_index + 1:]  # placeholders of a step launched after this one
+        del r.output_ids[it.out_index:]
         context = _detok_context(r)
         r.output_ids.append(tok)
         if lp is not None and r.params.logprobs > 0:
@@ -127,7 +75,8 @@ class StepProcessor:
             reason = self._length_or_stop_reason(r)
         if reason is not None:
             return self._finish(r, reason, new_ids, text, context)
-        if it.num_new > 1 and len(r.output_ids) == 1:
+        r.output_ids.extend(later)
+        if it.num_new > 1 and it.out_index == 0:
             eng.scheduler.cache_unfinished(r)  # the prompt is now shareable (n > 1 samples)
         if r.group_id in eng._score_choices:
             return []
@@ -172,7 +121,15 @@ class StepProcessor:
         return list(added) if drop else new_ids + list(added), text
 
     def finish(self, r: Req, reason: str) -> list[StepOutput]:
-        """End a request from outside the token path (abort, out of memory)."""
+        """End a request from outside the token path (abort, out of memory). Tokens still
+        in flight are dropped, with the KV of any that was already fed back."""
+        real = next((i for i, t in enumerate(r.output_ids) if t < 0), len(r.output_ids))
+        if real < len(r.output_ids):
+            del r.output_ids[real:]
+            keep = len(r.origin_input_ids) + real
+            if r.num_computed > keep:
+                self.engine.runner.kv_pool.free(r.kv_indices[keep:])
+                del r.kv_indices[keep:]
         return self._finish(r, reason, [], "", _detok_context(r))
 
     def _finish(self, r: Req, reason: str, new_ids, text: str, context) -> list[StepOutput]:
@@ -236,6 +193,10 @@ def _detok_context(r: Req) -> list[int]:
     """Ids before the next output token, as a stateless detokenizer needs them to decode
     that token's text exactly as the engine's own TextState does."""
     return (r.detok.prompt_ids + r.output_ids)[-STATELESS_CONTEXT_IDS:]
+
+
+def _maybe_list(t):
+    return t.tolist() if t is not None else None
 
 
 def _row_logprobs(lp, i: int):

@@ -16,6 +16,8 @@ from ..memory_pool import KVPool
 
 
 class AttentionBackend(ABC):
+    supports_cuda_graph = False  # decode launches depend only on the batch size
+
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token

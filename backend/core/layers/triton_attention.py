@@ -27,6 +27,8 @@ CPU_KV_SPLITS = 8  # no SM count to size for; also what the interpreter tests us
 
 
 class TritonAttention(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, *,
                  num_heads: int | None = None, num_kv_splits: int | None = None,
                  max_batch_size: int = 0) -> None:

@@ -1,0 +1,108 @@
+"""CUDA graphs for decode steps: capture once per batch size, replay padded.
+
+Small decode batches are bound by kernel-launch overhead, not by the GPU: one graph
+replay replaces a few hundred launches. Each captured graph reads its inputs from static
+buffers; a real batch of size b is copied into the first b rows of the smallest captured
+size B >= b, and rows b..B-1 are padding that writes only the dummy KV slot 0 and the
+dummy table row 0 (seq_len 0, so attention reads nothing for them)::
+
+    static rows:  | real batch (b rows) | padding (B - b rows) |
+    input_ids       copied                0
+    positions       copied                0
+    out_cache_loc   copied                0   (dummy slot)
+    req_pool_idx    copied                0   (dummy row)
+    seq_lens        copied                0
+
+The graph ends at the final norm; the LM head runs outside it on the real rows only, so
+no [B, vocab] buffer is kept per captured size.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from .forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160,
+                 192, 224, 256, 320, 384, 448, 512)
+
+
+class CudaGraphRunner:
+    def __init__(self, model: torch.nn.Module, attn, req_to_token: torch.Tensor,
+                 max_batch_size: int, device: torch.device) -> None:
+        self.model, self.attn, self.req_to_token = model, attn, req_to_token
+        self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch_size] or [1]
+        n = self.sizes[-1]
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.out_cache_loc = torch.zeros(n, **i64)
+        self.req_pool_indices = torch.zeros(n, **i64)
+        self.seq_lens = torch.zeros(n, **i64)
+        self.ones = torch.ones(n, **i64)
+        self.arange = torch.arange(n + 1, **i64)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self._capture_all()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode and 0 < batch.batch_size <= self.max_batch_size
+
+    def _static_batch(self, size: int) -> ForwardBatch:
+        seq_lens = self.seq_lens[:size]
+        return ForwardBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size],
+            out_cache_loc=self.out_cache_loc[:size], req_pool_indices=self.req_pool_indices[:size],
+            seq_lens=seq_lens, extend_prefix_lens=self.positions[:size],  # prefix = position
+            extend_seq_lens=self.ones[:size], qo_indptr=self.arange[:size + 1],
+            logits_indices=self.arange[:size],
+            # host lists only size the launches; decode kernels take lengths from the device
+            seq_lens_cpu=[1] * size, extend_prefix_lens_cpu=[0] * size,
+            extend_seq_lens_cpu=[1] * size, is_decode=True)
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        self.req_to_token[batch.req_pool_indices, batch.positions] = batch.out_cache_loc.to(torch.int32)
+        self.attn.prepare(batch)
+        return self.model(batch, self.attn)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):  # largest first: later ones reuse its pool
+                batch = self._static_batch(size)
+                for _ in range(2):  # compile Triton kernels, settle allocations
+                    self._run(batch)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.outputs[size] = self._run(batch)
+                self.graphs[size] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states of the batch's rows (same as an eager forward)."""
+        b = batch.batch_size
+        size = self.sizes[bisect.bisect_left(self.sizes, b)]
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.positions[:b].copy_(batch.positions)
+        self.out_cache_loc[:b].copy_(batch.out_cache_loc)
+        self.req_pool_indices[:b].copy_(batch.req_pool_indices)
+        self.seq_lens[:b].copy_(batch.seq_lens)
+        if size > b:
+            for buf in (self.input_ids, self.positions, self.out_cache_loc,
+                        self.req_pool_indices, self.seq_lens):
+                buf[b:size].zero_()
+        self.graphs[size].replay()
+        return self.outputs[size][:b]

@@ -1,0 +1,128 @@
+"""Launching one step on the device: batch assembly, forward, sampling — no host sync.
+
+With overlap scheduling the CPU schedules step N+1 before it has read step N's sampled
+tokens. A request whose next input is such a token carries a *placeholder* in its
+output ids: ``-(k + 1)`` for row k of step N's sampled-token tensor. The launch of step
+N+1 swaps placeholders for the real ids on the device, so the CPU never waits::
+
+    step N:    launch -> tokens_N (device) ---------------------> read on host later
+    step N+1:  schedule (CPU) -> input_ids = where(id < 0, tokens_N[-id - 1], id) (device)
+
+Only step N's placeholders can be unresolved when step N+1 is built: the host reads
+step N's tokens before it schedules step N+2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .request import Req
+from .sampling import SampleResult, SamplingRow, sample
+from .scheduler import ScheduledItem
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def placeholder(row: int) -> int:
+    return -(row + 1)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose results the host has not read yet."""
+
+    items: list[ScheduledItem]
+    sampled: list[ScheduledItem]  # items that produce a token, in sampled-row order
+    result: SampleResult | None
+    tokens_host: torch.Tensor | None  # pinned copy of result.token_ids, filled asynchronously
+    done: torch.cuda.Event | None
+    prompt_rows: list[tuple[Req, int, int]]  # (req, logits row, token it scores)
+    prompt_logprobs: torch.Tensor | None
+
+    def token_ids(self) -> list[int]:
+        if self.result is None:
+            return []
+        if self.done is not None:
+            self.done.synchronize()
+            return self.tokens_host.tolist()
+        return self.result.token_ids.tolist()
+
+
+class ForwardStep:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.last_tokens: torch.Tensor | None = None  # device tokens of the last launch
+
+    def launch(self, items: list[ScheduledItem]) -> InFlight:
+        runner = self.engine.runner
+        batch, prompt_rows, sample_rows = self._build(items)
+        if self.last_tokens is not None and int(batch.extra["num_placeholders"]):
+            ids = batch.input_ids
+            resolved = self.last_tokens[(-ids - 1).clamp(min=0)]
+            batch.input_ids = torch.where(ids < 0, resolved, ids)
+        logits = runner.forward(batch)
+        prompt_lp = None
+        if prompt_rows:
+            idx = torch.tensor([row for _, row, _ in prompt_rows], device=logits.device)
+            tok = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
+            prompt_lp = torch.log_softmax(logits[idx], dim=-1).gather(1, tok.unsqueeze(1)).squeeze(1)
+        sampled = [it for it in items if it.samples]
+        result = tokens_host = done = None
+        if sampled:
+            result = self._sample(logits[sample_rows], [it.req for it in sampled])
+            if result.token_ids.is_cuda:
+                tokens_host = torch.empty(result.token_ids.shape, dtype=torch.int64, pin_memory=True)
+                tokens_host.copy_(result.token_ids, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            self.last_tokens = result.token_ids
+            for row, it in enumerate(sampled):  # the token exists on the device only, so far
+                it.out_index = len(it.req.output_ids)
+                it.req.output_ids.append(placeholder(row))
+        return InFlight(items, sampled, result, tokens_host, done, prompt_rows, prompt_lp)
+
+    def _build(self, items: list[ScheduledItem]):
+        input_ids, rows, prefix_lens, new_lens, locs, logits_idx = [], [], [], [], [], []
+        prompt_rows: list[tuple[Req, int, int]] = []
+        sample_rows: list[int] = []
+        offset = 0
+        for it in items:
+            r, a, n = it.req, it.prefix_len, it.num_new
+            fill = r.fill_ids
+            input_ids += fill[a:a + n]
+            rows.append(r.req_pool_idx)
+            prefix_lens.append(a)
+            new_lens.append(n)
+            locs += it.new_slots
+            if r.wants_prompt_logprobs:
+                # the logit at position p scores prompt token p + 1
+                first = max(r.params.prompt_logprobs_start, 1) - 1
+                for p in range(max(a, first), min(a + n, len(r.origin_input_ids) - 1)):
+                    prompt_rows.append((r, len(logits_idx), fill[p + 1]))
+                    logits_idx.append(offset + p - a)
+            if it.samples:
+                sample_rows.append(len(logits_idx))
+                logits_idx.append(offset + n - 1)
+            offset += n
+        batch = ForwardBatch.build(input_ids=input_ids, req_pool_indices=rows,
+                                   extend_prefix_lens=prefix_lens, extend_seq_lens=new_lens,
+                                   out_cache_loc=locs, logits_indices=logits_idx,
+                                   device=self.engine.runner.device)
+        batch.extra["num_placeholders"] = sum(1 for t in input_ids if t < 0)
+        return batch, prompt_rows, sample_rows
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
+        rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, r.generator) for r in reqs]
+        top = max(r.params.logprobs for r in reqs)
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            grammar = self.engine.grammar
+            bitmask = grammar.allocate_bitmask(len(reqs))
+            for i in constrained:
+                reqs[i].grammar.fill_bitmask(bitmask, i)
+            grammar.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), constrained)
+        return sample(logits, rows, num_top_logprobs=top if top > 1 else 0, want_logprobs=top > 0)
