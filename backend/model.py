@@ -14,6 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import wire
+from backend.core import Engine
 from backend.serving import EngineLoop
 from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
 
@@ -92,8 +93,6 @@ class TritonPythonModel:
             device = f"cuda:{args['model_instance_device_id']}"
             config = dataclasses.replace(config, device=device)
 
-        from backend.core import Engine  # heavy (torch); after the config is known to be valid
-
         self.logger.log_info(f"radixlm: building the engine: {config}")
         self.engine = Engine(config)
         self.loop = EngineLoop(self.engine, on_error=self.logger.log_error)
@@ -117,6 +116,10 @@ class TritonPythonModel:
                 job = wire.parse_request(_read_inputs(request), _read_parameters(request))
             except wire.InputError as exc:
                 sink.send_error(str(exc))
+                continue
+            except Exception as exc:  # a bug here must fail this request, not the batch
+                self.logger.log_error(f"radixlm: parsing a request failed: {exc!r}")
+                sink.send_error(f"internal error: {exc}")
                 continue
             self.loop.submit(job, sink)
         return None
