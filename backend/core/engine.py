@@ -50,8 +50,10 @@ class Engine:
 
     # ------------------------------------------------------------------ submission
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a prompt; raises ValueError on bad input. Returns the request id."""
+                    request_id: str | None = None, stream: bool = True) -> str:
+        """Queue a prompt; raises ValueError on bad input. Returns the request id.
+        ``stream=False``: step outputs carry no text until the last one, which carries all
+        of it (the text is decoded once instead of every step)."""
         params = _as_params(sampling_params)
         ids = self._prompt_ids(prompt)
         self._check_fits(ids)
@@ -60,7 +62,7 @@ class Engine:
         for s in samples[1:]:
             s.blocked_by = samples[0] if self.cache.enabled else None  # share one prefill
         self._submit_grammar(samples, params)
-        self.processor.attach(samples)
+        self.processor.attach(samples, stream)
         self._post(("add", gid, samples, None))
         return gid
 
@@ -243,7 +245,7 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
         self.processor.keep_results(ids)
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):

@@ -92,8 +92,7 @@ class ForwardStep:
         offset = 0
         for it in items:
             r, a, n = it.req, it.prefix_len, it.num_new
-            fill = r.fill_ids
-            input_ids += fill[a:a + n]
+            input_ids += r.tokens(a, a + n)
             rows.append(r.req_pool_idx)
             prefix_lens.append(a)
             new_lens.append(n)
@@ -102,7 +101,7 @@ class ForwardStep:
                 # the logit at position p scores prompt token p + 1
                 first = max(r.params.prompt_logprobs_start, 1) - 1
                 for p in range(max(a, first), min(a + n, len(r.origin_input_ids) - 1)):
-                    prompt_rows.append((r, len(logits_idx), fill[p + 1]))
+                    prompt_rows.append((r, len(logits_idx), r.origin_input_ids[p + 1]))
                     logits_idx.append(offset + p - a)
             if it.samples:
                 sample_rows.append(len(logits_idx))

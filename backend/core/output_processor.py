@@ -11,10 +11,13 @@ from .detokenizer import STATELESS_CONTEXT_IDS, IncrementalDetokenizer
 
 class TextState:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, incremental: bool = True) -> None:
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.prompt_ids = _clean_context(tokenizer, prompt_ids)
         self.detok = IncrementalDetokenizer(tokenizer, self.prompt_ids, skip_special_tokens)
+        # Nobody reads the text before the end (no streaming, no stop strings): decode
+        # once at the finish instead of every step.
+        self.lazy_ids: list[int] | None = None if incremental or stop else []
         self.stop = stop
         self.pending = ""  # decoded but held back (may begin a stop string)
         self.text = ""  # emitted so far
@@ -23,11 +26,17 @@ class TextState:
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that became final. Sets ``stopped`` when a
         stop string appeared (the text is cut before it)."""
+        if self.lazy_ids is not None:
+            self.lazy_ids.extend(token_ids)
+            return ""
         return self._emit(self.pending + self.detok.add(token_ids), final=False)
 
     def jump(self, output_ids: list[int]) -> str:
         """The output was re-tokenized (jump-forward): its bytes only grew, so the text
         emitted so far is still a prefix. Emit the new tail and restart decoding after it."""
+        if self.lazy_ids is not None:
+            self.lazy_ids = list(output_ids)
+            return ""
         full = self.tokenizer.decode(output_ids, skip_special_tokens=self.skip)
         seen = self.text + self.pending
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids + output_ids, self.skip)
@@ -37,6 +46,9 @@ class TextState:
         """The request ended: release what was held back."""
         if self.stopped:
             return ""
+        if self.lazy_ids is not None:
+            ids, self.lazy_ids = self.lazy_ids, None
+            return self._emit(self.detok.add(ids) + self.detok.flush(), final=True)
         return self._emit(self.pending + self.detok.flush(), final=True)
 
     def _emit(self, buf: str, final: bool) -> str:

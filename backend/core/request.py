@@ -70,6 +70,19 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids (hot path: one decode token)."""
+        n = len(self.origin_input_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.origin_input_ids[start:end]
+        return self.origin_input_ids[start:] + self.output_ids[:end - n]
+
+    @property
     def num_computed(self) -> int:
         return len(self.kv_indices)
 

@@ -87,6 +87,8 @@ class Scheduler:
         for req in self.running:
             if req.num_uncomputed > 1 and budget > 0:
                 n = min(req.num_uncomputed, budget)
+                if _forced_tokens(req) and not self.config.enable_jump_forward:
+                    n = 1  # forced text without jump-forward: one decode step per token
                 if not self._ensure_free(n):
                     break
                 items.append(self._extend(req, n))
@@ -235,6 +237,11 @@ class Scheduler:
     def owned_slots(self) -> list[int]:
         """Slots held by running requests and not (yet) by the tree."""
         return [s for r in self.running for s in r.kv_indices[r.prefix_len:]]
+
+
+def _forced_tokens(req: Req) -> bool:
+    """Its uncomputed tokens are grammar-forced output appended by a jump, not prompt."""
+    return req.grammar is not None and req.num_computed >= len(req.origin_input_ids)
 
 
 def _will_finish(req: Req, context_len: int) -> bool:

@@ -24,10 +24,11 @@ class StepProcessor:
         self._wanted: set[str] = set()  # groups whose whole results generate() collects
         self._results: dict[str, RequestOutput] = {}
 
-    def attach(self, reqs: list[Req]) -> None:
+    def attach(self, reqs: list[Req], stream: bool = True) -> None:
         tok = self.engine.tokenizer
         for r in reqs:
-            r.detok = TextState(tok, r.origin_input_ids, r.params.stop, r.params.skip_special_tokens)
+            r.detok = TextState(tok, r.origin_input_ids, r.params.stop, r.params.skip_special_tokens,
+                                incremental=stream)
 
     # ------------------------------------------------------------------ a step's results
     def process(self, flight: InFlight) -> list[StepOutput]:
@@ -70,7 +71,7 @@ class StepProcessor:
         new_ids, text, reason = [tok], "", self._stop_token_reason(r, tok)
         if reason is None:
             text = r.detok.add([tok])
-            if r.grammar is not None and not r.detok.stopped and eng.config.enable_jump_forward:
+            if r.grammar is not None and not r.detok.stopped:
                 new_ids, text = self._jump_forward(r, new_ids, text)
             reason = self._length_or_stop_reason(r)
         if reason is not None:
@@ -93,32 +94,26 @@ class StepProcessor:
     def _length_or_stop_reason(self, r: Req) -> str | None:
         if r.detok.stopped:
             return "stop"
-        if len(r.output_ids) >= r.params.max_new_tokens or len(r.fill_ids) >= self.engine.context_len:
+        if len(r.output_ids) >= r.params.max_new_tokens or r.seq_len >= self.engine.context_len:
             return "length"
         return None
 
     def _jump_forward(self, r: Req, new_ids: list[int], text: str) -> tuple[list[int], str]:
-        """Append the text the grammar forces as tokens to prefill next step. Re-tokenizing
-        may replace the last few output tokens: their KV (owned by this request, never in
-        the tree) is dropped. Returns the step's new ids and text."""
-        # only tokens this request owns may be re-tokenized (tree slots are shared)
-        owned = len(r.fill_ids) - max(r.prefix_len, len(r.origin_input_ids))
+        """Append the text the grammar forces as tokens, computed next step. Only this
+        step's new tokens (not yet streamed, no KV yet) may be re-tokenized together with
+        the forced text, so what was streamed is never taken back, ids or text.
+        Returns the step's new ids and text."""
         room = r.params.max_new_tokens - len(r.output_ids)
-        jump = self.engine.grammar.jump_forward(r.grammar, r.output_ids, lookback=min(4, owned),
-                                                max_added=room)
-        if not jump.new_token_ids:
+        drop, added = self.engine.grammar.jump_forward(r.grammar, r.output_ids,
+                                                       lookback=len(new_ids), max_added=room)
+        if not added:
             return new_ids, text
-        drop, added = jump
-        keep = len(r.fill_ids) - drop  # tokens of the new sequence before ``added``
-        if keep < r.num_computed:  # dropped tokens had KV: give their slots back
-            self.engine.runner.kv_pool.free(r.kv_indices[keep:])
-            del r.kv_indices[keep:]
         if drop:
             del r.output_ids[-drop:]
             del r.logprobs[len(r.output_ids):]
         r.output_ids.extend(added)
         text += r.detok.jump(r.output_ids)
-        return list(added) if drop else new_ids + list(added), text
+        return new_ids[:len(new_ids) - drop] + list(added), text
 
     def finish(self, r: Req, reason: str) -> list[StepOutput]:
         """End a request from outside the token path (abort, out of memory). Tokens still
@@ -192,7 +187,9 @@ class StepProcessor:
 def _detok_context(r: Req) -> list[int]:
     """Ids before the next output token, as a stateless detokenizer needs them to decode
     that token's text exactly as the engine's own TextState does."""
-    return (r.detok.prompt_ids + r.output_ids)[-STATELESS_CONTEXT_IDS:]
+    k = STATELESS_CONTEXT_IDS
+    tail = r.output_ids[-k:]
+    return (r.detok.prompt_ids[-(k - len(tail)):] + tail) if len(tail) < k else tail
 
 
 def _maybe_list(t):

@@ -1,0 +1,234 @@
+"""Fused elementwise kernels for the decoder layer: RMSNorm (+ residual add), rotary
+embedding and SwiGLU's silu-and-mul.
+
+At small batch a decode step is launch-bound: the torch versions of these ops are ~7-10
+tiny kernels each (casts, pow, mean, rsqrt, muls, gather, chunk, cat). Each function here
+is one launch, allocates nothing when its outputs are given, and reads no value back to
+the host, so it can sit inside a CUDA graph.
+
+Numerics mirror the torch modules in ``layers/basic.py`` / ``layers/rotary.py`` op for
+op, including where they round to the model dtype (RMSNorm casts the normalised row to
+the input dtype *before* the weight multiply; ``F.silu(gate) * up`` rounds silu's result
+before the multiply). Every intermediate is float32, which is also what torch's CUDA
+kernels use for half types, so bf16/fp16 outputs differ from torch only where a float32
+reduction order or an approximate exp/rsqrt tips a rounding.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Widest row one RMSNorm program holds in registers; wider rows loop over chunks of this
+# size (two passes: sum of squares, then normalise). 8192 covers Llama up to 70B (8192).
+MAX_NORM_BLOCK = 8192
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    X, Res, W, Out, ResOut,
+    stride_x, stride_r, stride_o, stride_ro,
+    N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # 64-bit: rows * stride can pass 2**31
+    cols = tl.arange(0, BLOCK)
+    x_ptr, r_ptr = X + row * stride_x, Res + row * stride_r
+    o_ptr, ro_ptr = Out + row * stride_o, ResOut + row * stride_ro
+    if NUM_CHUNKS == 1:
+        # Whole row in registers: one read of x/residual, one write of each output.
+        mask = cols < N
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + cols, mask=mask, other=0.0)
+            # torch's `x + residual` for half types adds in float32 and rounds once
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(ro_ptr + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        y = (xf * rstd).to(X.dtype.element_ty)  # RMSNorm's `x.to(dtype)` before weight
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        tl.store(o_ptr + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty),
+                 mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + cols
+            mask = offs < N
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                tl.store(ro_ptr + offs, x, mask=mask)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        if HAS_RESIDUAL:
+            # Pass 2 re-reads the sum from ResOut (the input residual may be the same
+            # buffer and already overwritten); the barrier makes pass 1's stores visible
+            # to every thread of the program.
+            tl.debug_barrier()
+            src = ro_ptr
+        else:
+            src = x_ptr
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + cols
+            mask = offs < N
+            x = tl.load(src + offs, mask=mask, other=0.0)
+            y = (x.to(tl.float32) * rstd).to(X.dtype.element_ty)
+            w = tl.load(W + offs, mask=mask, other=0.0)
+            tl.store(o_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty),
+                     mask=mask)
+
+
+def _as_rows(t: torch.Tensor, n: int, name: str) -> torch.Tensor:
+    assert t.shape[-1] == n, f"{name}: last dim {t.shape[-1]} != {n}"
+    assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    return t if t.dim() == 2 else t.view(-1, n)  # view (never a copy): outputs must alias
+
+
+def _launch_rmsnorm(x, residual, weight, eps, out, residual_out):
+    n = x.shape[-1]
+    assert weight.shape == (n,) and weight.is_contiguous(), "weight must be contiguous [hidden]"
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
+                          device=x.device)
+    assert out.shape == x.shape
+    x2, o2 = _as_rows(x, n, "x"), _as_rows(out, n, "out")
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+        if residual_out is None:
+            residual_out = torch.empty_like(x)
+        assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
+        assert x.numel() == 0 or out.data_ptr() != residual_out.data_ptr(), \
+            "out and residual_out must differ"
+        r2, ro2 = _as_rows(residual, n, "residual"), _as_rows(residual_out, n, "residual_out")
+    else:
+        r2, ro2 = x2, x2  # unused: HAS_RESIDUAL=False compiles their accesses away
+    rows = x2.shape[0]
+    if rows:
+        block = min(triton.next_power_of_2(n), MAX_NORM_BLOCK)
+        # ~8 elements (16 bytes of bf16) per thread: full-width vector loads
+        warps = max(1, min(16, block // 256))
+        _rmsnorm_kernel[(rows,)](
+            x2, r2, weight, o2, ro2,
+            x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
+            n, float(eps),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=triton.cdiv(n, block),
+            num_warps=warps,
+        )
+    return out, residual_out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``RMSNorm(x)`` as in layers/basic.py: x [..., hidden] (last dim contiguous, rows
+    may be strided), weight [hidden]. ``out`` (default: new, dtype promote(x, weight))
+    may be x itself."""
+    return _launch_rmsnorm(x, None, weight, eps, out, None)[0]
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float, out: torch.Tensor | None = None,
+                      residual_out: torch.Tensor | None = None):
+    """``s = x + residual; return RMSNorm(s), s`` in one launch.
+
+    x, residual: [..., hidden], same dtype. ``residual_out`` may be ``residual`` or ``x``
+    (in-place update of the residual stream); ``out`` may be ``x`` but not residual_out.
+    Returns ``(normed, new_residual)``.
+    """
+    return _launch_rmsnorm(x, residual, weight, eps, out, residual_out)
+
+
+@triton.jit
+def _rotary_kernel(
+    Q, K, Pos, Cos, Sin,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per token rotates all its q and k heads: the cos/sin row is gathered
+    # once and shared, and q and k need no second launch.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    cos = tl.load(Cos + pos * stride_cos + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(Sin + pos * stride_sin + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+
+    hq = tl.arange(0, BLOCK_QH)
+    qmask = (hq[:, None] < NUM_Q_HEADS) & dmask[None, :]
+    q1_ptr = Q + t * stride_qt + hq[:, None] * stride_qh + d[None, :]
+    q1 = tl.load(q1_ptr, mask=qmask, other=0.0).to(tl.float32)
+    q2 = tl.load(q1_ptr + HALF, mask=qmask, other=0.0).to(tl.float32)
+    tl.store(q1_ptr, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=qmask)
+    tl.store(q1_ptr + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=qmask)
+
+    hk = tl.arange(0, BLOCK_KH)
+    kmask = (hk[:, None] < NUM_K_HEADS) & dmask[None, :]
+    k1_ptr = K + t * stride_kt + hk[:, None] * stride_kh + d[None, :]
+    k1 = tl.load(k1_ptr, mask=kmask, other=0.0).to(tl.float32)
+    k2 = tl.load(k1_ptr + HALF, mask=kmask, other=0.0).to(tl.float32)
+    tl.store(k1_ptr, (k1 * cos - k2 * sin).to(K.dtype.element_ty), mask=kmask)
+    tl.store(k1_ptr + HALF, (k2 * cos + k1 * sin).to(K.dtype.element_ty), mask=kmask)
+
+
+def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place (rotate-half convention, float32
+    math, stored back in each tensor's dtype), like ``RotaryEmbedding.forward``.
+
+    q/k may be strided views (e.g. of a fused qkv output) but need a unit stride on D.
+    positions: int64 [T], each < cos.shape[0] (not checked on device). cos/sin:
+    [max_pos, D/2] with unit last-dim stride (the RotaryEmbedding buffers).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim
+    assert head_dim % 2 == 0 and cos.shape[-1] * 2 == head_dim and sin.shape == cos.shape
+    assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    if num_tokens == 0:
+        return
+    half, num_k_heads = head_dim // 2, k.shape[1]
+    bqh, bkh = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
+    bd = triton.next_power_of_2(half)
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
+        BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=bd,
+        num_warps=4 if bqh * bd <= 2048 else 8,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(GateUp, Out, stride_g, stride_o, I, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(GateUp + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GateUp + t * stride_g + I + cols, mask=mask, other=0.0).to(tl.float32)
+    # F.silu's formula in float32, rounded to the dtype before the multiply, as the
+    # two-op torch expression `F.silu(gate) * up` does
+    s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
+    tl.store(Out + t * stride_o + cols, (s.to(tl.float32) * u).to(Out.dtype.element_ty),
+             mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.silu(gate) * up`` for gate_up [T, 2I] = [gate | up] (GatedMLP.gate_up_proj's
+    output). Rows may be strided; the last dim must be contiguous. out: [T, I], same
+    dtype as gate_up (allocated when None)."""
+    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1
+    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    if out is None:
+        out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    assert out.shape == (num_tokens, inter) and out.dtype == gate_up.dtype and out.stride(1) == 1
+    if num_tokens:
+        # Narrow blocks so a batch-1 decode still spreads over several SMs
+        # (Llama-1B: I = 8192 -> 16 programs).
+        block = min(512, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    return out
