@@ -90,10 +90,10 @@ def _as_rows(t: torch.Tensor, n: int, name: str) -> torch.Tensor:
 def _launch_rmsnorm(x, residual, weight, eps, out, residual_out):
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous(), "weight must be contiguous [hidden]"
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)  # torch's `weight * x.to(dtype)`
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
-                          device=x.device)
-    assert out.shape == x.shape
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == out_dtype, f"out must be {out_dtype}"
     x2, o2 = _as_rows(x, n, "x"), _as_rows(out, n, "out")
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
@@ -108,7 +108,8 @@ def _launch_rmsnorm(x, residual, weight, eps, out, residual_out):
     rows = x2.shape[0]
     if rows:
         block = min(triton.next_power_of_2(n), MAX_NORM_BLOCK)
-        # ~8 elements (16 bytes of bf16) per thread: full-width vector loads
+        # ~8 elements (16 bytes of bf16) per thread: full-width vector loads. (On an H200
+        # 2..16 warps timed the same at hidden 2048/4096; the kernel runs at HBM speed.)
         warps = max(1, min(16, block // 256))
         _rmsnorm_kernel[(rows,)](
             x2, r2, weight, o2, ro2,
