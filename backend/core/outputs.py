@@ -35,6 +35,10 @@ class StepOutput:
     context_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # set when the request failed after admission (e.g. grammar)
     choice_scores: list["ChoiceScore"] | None = None  # answer of a score (select) request
+    # On the final output: seconds from arrival to admission ("queue_time"), to the first
+    # token ("time_to_first_token") and to the end ("e2e_latency"), and the mean gap
+    # between later tokens ("time_per_output_token", absent with fewer than 2 tokens).
+    timings: dict[str, float] | None = None
 
 
 @dataclass

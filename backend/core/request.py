@@ -49,7 +49,8 @@ class Req:
     # scheduling
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    admit_time: float | None = None
+    admit_time: float | None = None  # latest admission (retraction re-admits)
+    first_admit_time: float | None = None
     times_passed_over: int = 0  # waiting steps in which a later arrival was admitted first
     blocked_by: "Req | None" = None  # wait until this request's prompt is cached
     cached_match_len: int = 0  # last radix match length (for lpm ordering)

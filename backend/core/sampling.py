@@ -51,10 +51,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, min_p: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (all per row, [B] tensors).
-    top_k <= 0 means no limit."""
+    top_k <= 0 means no limit. ``truncate=False`` says no row uses top-k or top-p (known
+    on the host), which skips the vocabulary sort."""
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+    if not truncate:
+        floor = (min_p * probs.max(dim=-1).values).unsqueeze(1)
+        return probs.masked_fill(probs < floor, 0.0)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[1]
     rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
@@ -101,7 +105,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int,
         top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
         top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
         min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-        probs = filter_logits(logits, temperature, top_k, top_p, min_p)
+        truncate = any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
+        probs = filter_logits(logits, temperature, top_k, top_p, min_p, truncate)
         token_ids = draw(probs, [r.generator for r in rows])
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=dev)

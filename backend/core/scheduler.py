@@ -175,6 +175,8 @@ class Scheduler:
             req.num_cached_tokens = req.prefix_len
             req.admitted_once = True
         req.admit_time = time.monotonic()
+        if req.first_admit_time is None:
+            req.first_admit_time = req.admit_time
         req.status = ReqStatus.RUNNING
         self.waiting.remove(req)
         self.running.append(req)

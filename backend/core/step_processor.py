@@ -143,6 +143,7 @@ class StepProcessor:
             out = eng.score_output(gid)
             return [out] if out is not None else []
         out = self._output(r, new_ids, text, context)
+        out.timings = _timings(r)
         group = eng._groups.get(gid, [])
         if all(s.finished for s in group):
             if gid in self._wanted:
@@ -190,6 +191,18 @@ def _detok_context(r: Req) -> list[int]:
     k = STATELESS_CONTEXT_IDS
     tail = r.output_ids[-k:]
     return (r.detok.prompt_ids[-(k - len(tail)):] + tail) if len(tail) < k else tail
+
+
+def _timings(r: Req) -> dict[str, float]:
+    now = time.monotonic()
+    t = {"e2e_latency": now - r.arrival}
+    if r.admit_time is not None:
+        t["queue_time"] = r.first_admit_time - r.arrival
+    if r.first_token_time is not None:
+        t["time_to_first_token"] = r.first_token_time - r.arrival
+        if len(r.output_ids) > 1:
+            t["time_per_output_token"] = (now - r.first_token_time) / (len(r.output_ids) - 1)
+    return t
 
 
 def _maybe_list(t):
