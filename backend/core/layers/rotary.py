@@ -31,6 +31,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D]; rotate-half convention (first/second halves)."""
+        if q.is_cuda:
+            from ..kernels.fused import rotary_embedding_
+
+            rotary_embedding_(q, k, positions, self.cos, self.sin)  # in place, one launch
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

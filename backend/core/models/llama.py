@@ -51,9 +51,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, batch, attn, rotary, layer_id):
-        x = x + self.self_attn(self.input_layernorm(x), batch, attn, rotary, layer_id)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, batch, attn, rotary, layer_id):
+        """Pre-norm block on a residual stream: returns (this block's output, the stream
+        before adding it); the next norm adds the two in the same fused step."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch, attn, rotary, layer_id)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -78,10 +85,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Returns the final hidden states of the rows in ``batch.logits_indices``."""
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, attn, self.rotary, i)
-        return self.norm(x[batch.logits_indices])
+            x, residual = layer(x, residual, batch, attn, self.rotary, i)
+        rows = batch.logits_indices
+        return self.norm(x[rows], residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight).float()
