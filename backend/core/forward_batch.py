@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .transfer import to_device
+
 
 @dataclass
 class ForwardBatch:
@@ -71,14 +73,16 @@ class ForwardBatch:
         for n in extend_seq_lens:
             qo_indptr.append(qo_indptr[-1] + n)
 
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
+        # one host->device copy for all index arrays, from pinned memory: a copy from
+        # pageable memory would wait for the device to drain, which defeats overlap
+        parts = [input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
+                 extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices]
+        flat = to_device([v for part in parts for v in part], device)
+        views = flat.split([len(part) for part in parts])
         return cls(
-            input_ids=t(input_ids), positions=t(positions), out_cache_loc=t(out_cache_loc),
-            req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),
-            extend_prefix_lens=t(extend_prefix_lens), extend_seq_lens=t(extend_seq_lens),
-            qo_indptr=t(qo_indptr), logits_indices=t(logits_indices),
+            input_ids=views[0], positions=views[1], out_cache_loc=views[2],
+            req_pool_indices=views[3], seq_lens=views[4], extend_prefix_lens=views[5],
+            extend_seq_lens=views[6], qo_indptr=views[7], logits_indices=views[8],
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(extend_prefix_lens),
             extend_seq_lens_cpu=list(extend_seq_lens),
             is_decode=all(n == 1 for n in extend_seq_lens),

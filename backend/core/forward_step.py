@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .forward_batch import ForwardBatch
+from .transfer import to_device
 from .request import Req
 from .sampling import SampleResult, SamplingRow, sample
 from .scheduler import ScheduledItem
@@ -67,8 +68,8 @@ class ForwardStep:
         logits = runner.forward(batch)
         prompt_lp = None
         if prompt_rows:
-            idx = torch.tensor([row for _, row, _ in prompt_rows], device=logits.device)
-            tok = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
+            idx = to_device([row for _, row, _ in prompt_rows], logits.device)
+            tok = to_device([t for _, _, t in prompt_rows], logits.device)
             prompt_lp = torch.log_softmax(logits[idx], dim=-1).gather(1, tok.unsqueeze(1)).squeeze(1)
         sampled = [it for it in items if it.samples]
         result = tokens_host = done = None

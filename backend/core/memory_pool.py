@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .transfer import to_device
+
 
 class ReqToTokenPool:
     """Rows of the request-to-token table, one per running request (``num_rows - 1`` usable)."""
@@ -37,8 +39,8 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: list[int]) -> None:
         """Record ``slots`` as positions ``start..start+len(slots)`` of ``row``."""
         if slots:
-            self.req_to_token[row, start:start + len(slots)] = torch.tensor(
-                slots, dtype=torch.int32).to(self.req_to_token.device, non_blocking=True)
+            self.req_to_token[row, start:start + len(slots)] = to_device(
+                slots, self.req_to_token.device, torch.int32)
 
 
 class KVPool:

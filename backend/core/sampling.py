@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .transfer import to_device
 from .sampling_params import SamplingParams
 
 
@@ -101,15 +102,15 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int,
         token_ids = logits.argmax(dim=-1)
     else:
         dev = logits.device
-        temperature = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+        knobs = to_device([[max(r.params.temperature, 1e-5), r.params.top_k, r.params.top_p,
+                            r.params.min_p] for r in rows], dev, torch.float32)
+        temperature, top_k, top_p, min_p = knobs.unbind(dim=1)
+        top_k = top_k.long()
         truncate = any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
         probs = filter_logits(logits, temperature, top_k, top_p, min_p, truncate)
         token_ids = draw(probs, [r.generator for r in rows])
         if any(greedy):
-            is_greedy = torch.tensor(greedy, device=dev)
+            is_greedy = to_device(greedy, dev, torch.bool)
             token_ids = torch.where(is_greedy, logits.argmax(dim=-1), token_ids)
 
     if not want_logprobs:
