@@ -245,7 +245,16 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        ids = [self.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp, stream=False))
+        except ValueError:
+            for rid in ids:  # all or nothing: nobody would collect the ones already queued
+                self.abort(rid)
+            self._drain_inbox()
+            self.processor.take_results()
+            raise
         self.processor.keep_results(ids)
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
