@@ -1,0 +1,407 @@
+"""The engine behind tritonserver, driven over gRPC streaming: same workloads as in-process.
+
+    python benchmarks/gpu/bench_triton.py --model /tmp/shapes/llama-1b --out results.jsonl \
+        --server-python /tmp/v/bin/python3 [--modes offline,online] [--budget-s 240]
+    python benchmarks/gpu/bench_triton.py --model /tmp/shapes/default --device cpu --quick
+
+Starts tritonserver through ``python -m backend.launcher`` (what ``radixlm-serve`` runs:
+it assembles build/triton_backends/{python,radixlm} from the nvidia-pytriton pieces that
+``pytriton`` resolves to in the server Python's environment) on a temporary model
+repository whose ``llm/config.pbtxt`` is the repo's with: KIND_GPU (KIND_CPU on cpu),
+device/dtype, ``load_format: dummy``, ``model_path`` = the shape folder, the KV pool sized
+from free memory, and the engine flags of bench_engine's default configuration.
+
+Client: tritonclient.grpc.aio, one bidirectional stream per request (``stream_infer``),
+``input_ids`` INT32 (no tokenization) and the sampling settings as request parameters
+(``stream``, ``max_tokens``, ``temperature``, ``ignore_eos``: no BYTES input tensor), only
+the outputs the metrics need. Requests are spread over --client-procs processes so that
+the client is not the bottleneck; all share one start time (wall clock). TTFT is the time
+from a request's scheduled arrival to the first response carrying output ids.
+The server is stopped at the end (SIGTERM to its process group, then SIGKILL).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+from common import log  # noqa: E402
+
+MODEL = "llm"
+
+
+# ----------------------------------------------------------------------------- server
+def engine_fields() -> set[str]:
+    """EngineConfig's field names, read from the source (no torch import here)."""
+    tree = ast.parse((C.REPO / "backend/core/config.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "EngineConfig":
+            return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+    return set()
+
+
+def make_repository(root: Path, model_dir: str, device: str, dtype: str, extra: dict) -> Path:
+    src = (C.REPO / "model_repository/llm/config.pbtxt").read_text()
+    settings = {
+        "model_path": str(Path(model_dir).resolve()), "device": device, "dtype": dtype,
+        "load_format": "dummy", "max_total_tokens": "none" if device == "cuda" else "32768",
+        "max_running_requests": "256", "max_prefill_tokens": "8192", "schedule_policy": "lpm",
+        "enable_radix_cache": "true", "enable_overlap": "true", "enable_cuda_graph": "true",
+        "cuda_graph_max_batch": "160", "attention_backend": "auto",
+    }
+    settings.update({k: str(v) for k, v in extra.items()})
+    known = engine_fields()
+    dropped = [k for k in settings if known and k not in known]
+    if dropped:
+        log(f"warning: EngineConfig has no field(s) {dropped}; left out of config.pbtxt")
+    settings = {k: v for k, v in settings.items() if not known or k in known}
+    lines = []
+    for line in src.splitlines():
+        m = re.match(r'\s*parameters:\s*\{\s*key:\s*"([^"]+)"', line)
+        if m and m.group(1) in settings:
+            continue
+        lines.append(line)
+    text = "\n".join(lines)
+    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
+    text = re.sub(r"kind:\s*KIND_\w+", f"kind: {kind}", text)
+    text += "\n" + "\n".join(
+        f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in settings.items()) + "\n"
+    d = root / MODEL
+    (d / "1").mkdir(parents=True, exist_ok=True)
+    (d / "config.pbtxt").write_text(text)
+    return root
+
+
+def free_ports(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Server:
+    def __init__(self, python: str, repo: Path, log_path: Path):
+        self.http, self.grpc, self.metrics = free_ports(3)
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [python, "-m", "backend.launcher", f"--model-repository={repo}",
+               f"--http-port={self.http}", f"--grpc-port={self.grpc}",
+               f"--metrics-port={self.metrics}", "--exit-on-error=false", "--log-verbose=0",
+               # unloading the model waits out the whole exit timeout (30 s by default)
+               "--exit-timeout-secs=5"]
+        log("server: " + " ".join(cmd))
+        self.log_file = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=C.REPO, env=env, stdout=self.log_file,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+
+    @property
+    def grpc_url(self):
+        return f"127.0.0.1:{self.grpc}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/models/{MODEL}/ready",
+                                        timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout_s: float) -> float:
+        t = time.monotonic()
+        while not self.ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.tail()}")
+            if time.monotonic() - t > timeout_s:
+                raise RuntimeError(f"tritonserver not ready after {timeout_s:.0f}s:\n{self.tail()}")
+            time.sleep(0.5)
+        return time.monotonic() - t
+
+    def stats(self) -> dict | None:
+        body = json.dumps({"parameters": {"debug": "stats"}}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.http}/v2/models/{MODEL}/generate",
+                                     data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(json.loads(r.read())["stats"])
+        except Exception as exc:  # noqa: BLE001
+            return {"error": str(exc)}
+
+    def tail(self, n=80) -> str:
+        try:
+            self.log_file.flush()
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        self.log_file.close()
+
+
+# ----------------------------------------------------------------------------- client
+def _client_worker(url, items, t0, n_out, timeout_s):
+    """One process: run its requests (index, arrival, prompt) over one aio channel."""
+    return asyncio.run(_client_async(url, items, t0, n_out, timeout_s))
+
+
+async def _client_async(url, items, t0, n_out, timeout_s):
+    import numpy as np
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    wanted = [grpcclient.InferRequestedOutput(n) for n in
+              ("output_ids", "finish_reason", "num_output_tokens", "num_cached_tokens")]
+
+    async def one(idx, arrival, prompt):
+        rec = {"idx": idx, "arrival": arrival, "first": None, "end": None, "n_out": 0,
+               "n_in": len(prompt), "cached": 0}
+        delay = t0 + arrival - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        inp = grpcclient.InferInput("input_ids", [len(prompt)], "INT32")
+        inp.set_data_from_numpy(np.asarray(prompt, dtype=np.int32))
+        params = {"stream": True, "max_tokens": int(n_out), "temperature": 0.0,
+                  "ignore_eos": True, "exclude_input_in_output": True}
+
+        async def requests():
+            yield {"model_name": MODEL, "inputs": [inp], "outputs": wanted,
+                   "request_id": str(idx), "parameters": params}
+
+        call = None
+        try:
+            call = client.stream_infer(requests(), stream_timeout=timeout_s)
+            async for result, error in call:
+                t = time.time() - t0
+                if error is not None:
+                    rec["error"] = str(error)[:300]
+                    break
+                ids = result.as_numpy("output_ids")
+                k = 0 if ids is None else int(ids.size)
+                if k:
+                    rec["n_out"] += k
+                    if rec["first"] is None:
+                        rec["first"] = t
+                fr = result.as_numpy("finish_reason")
+                reason = fr.reshape(-1)[0] if fr is not None and fr.size else b""
+                if reason:
+                    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+                    no = result.as_numpy("num_output_tokens")
+                    if no is not None and no.size:
+                        rec["n_out"] = int(no.reshape(-1)[0])
+                    nc = result.as_numpy("num_cached_tokens")
+                    if nc is not None and nc.size:
+                        rec["cached"] = int(nc.reshape(-1)[0])
+                    rec["end"] = t
+                    rec["finish_reason"] = reason
+                    break
+            if rec["end"] is None and "error" not in rec:
+                rec["error"] = "stream ended without a final response"
+        except Exception as exc:  # noqa: BLE001
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            if call is not None:
+                try:
+                    call.cancel()
+                except Exception:  # noqa: BLE001
+                    pass
+        return rec
+
+    try:
+        return await asyncio.gather(*(one(i, a, p) for i, a, p in items))
+    finally:
+        await client.close()
+
+
+def run_requests(url, arrivals, prompts, n_out, procs, timeout_s):
+    """Spread requests round-robin over client processes sharing one start time."""
+    items = [(i, a, p) for i, (a, p) in enumerate(zip(arrivals, prompts))]
+    procs = max(1, min(procs, len(items)))
+    shares = [items[k::procs] for k in range(procs)]
+    t0 = time.time() + 0.3 + 0.05 * procs  # let the workers start
+    with ProcessPoolExecutor(max_workers=procs, mp_context=get_context("fork")) as pool:
+        futs = [pool.submit(_client_worker, url, s, t0, n_out, timeout_s) for s in shares]
+        out = []
+        for f in futs:
+            out += f.result()
+    out.sort(key=lambda r: r["idx"])
+    for r in out:
+        r.pop("idx", None)
+    return out
+
+
+# ----------------------------------------------------------------------------- modes
+def warmup(server, args):
+    shapes = [(1, 8, 4), (4, 8, 4)] if args.quick else [(1, 32, 8), (32, 32, 8), (128, 32, 8), (64, 256, 8)]
+    t = time.perf_counter()
+    for b, n_in, n_out in shapes:
+        run_requests(server.grpc_url, [0.0] * b, C.random_prompts(b, n_in, C.hash_seed("warm", b, n_in)),
+                     n_out, args.client_procs, 120)
+    return time.perf_counter() - t
+
+
+def mode_offline(server, rec, args, budget):
+    rows = C.QUICK_OFFLINE_ROWS if args.quick else C.OFFLINE_ROWS
+    for b, n_in, n_out in rows:
+        name = C.offline_name(b, n_in, n_out)
+        if rec.is_done("offline", name):
+            continue
+        if not budget.allows(10.0):
+            rec.write("offline", name, status="skipped", error="time budget")
+            continue
+        try:
+            runs = []
+            for rep in range(3):
+                prompts = C.random_prompts(b, n_in, C.hash_seed("offline", name, rep))
+                t = time.perf_counter()
+                reqs = run_requests(server.grpc_url, [0.0] * b, prompts, n_out, args.client_procs,
+                                    max(60.0, budget.left()))
+                wall = time.perf_counter() - t
+                runs.append(C.summarize(reqs))
+                if wall > 6.0 or not budget.allows(wall * 2 + 10.0):
+                    break
+            runs.sort(key=lambda m: m["output_tok_per_s"] or 0)
+            m = dict(runs[len(runs) // 2])
+            m["reps_output_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
+            m.update(batch=b, n_in=n_in, n_out=n_out, client_procs=args.client_procs)
+            rec.write("offline", name, m, status="ok" if m["n_completed"] == b else "truncated")
+        except Exception as exc:  # noqa: BLE001
+            rec.write("offline", name, status="error", error=_err(exc))
+
+
+def mode_online(server, rec, args, budget, label):
+    shapes = C.QUICK_ONLINE_SHAPES if args.quick else C.ONLINE_SHAPES
+    for shape, (n_in, n_out) in shapes.items():
+        rates = C.QUICK_RATES[shape] if args.quick else C.RATES.get(label, C.RATES["llama-8b"])[shape]
+        for rate in rates:
+            if rec.is_done("online", shape, rate):
+                continue
+            n = C.online_count(rate, args.online_window_s, args.online_max_requests,
+                               8 if args.quick else args.online_min_requests)
+            arrivals, prompts = C.online_schedule(shape, rate, n, n_in)
+            need = arrivals[-1] + 3.0
+            if not budget.allows(need + 10.0):
+                rec.write("online", shape, rate=rate, status="skipped", error="time budget",
+                          metrics={"n_requests": n})
+                continue
+            try:
+                timeout = min(arrivals[-1] * 3 + 30.0, max(budget.left() - 5.0, need + 5.0))
+                t = time.perf_counter()
+                reqs = run_requests(server.grpc_url, arrivals, prompts, n_out, args.client_procs, timeout)
+                m = C.summarize(reqs)
+                m.update(n_in=n_in, n_out=n_out, offered_rate=rate, client_procs=args.client_procs,
+                         arrival_window_s=round(arrivals[-1], 3), wall_s=round(time.perf_counter() - t, 3))
+                rec.write("online", shape, m, rate=rate,
+                          status="ok" if m["n_completed"] == n else "truncated")
+            except Exception as exc:  # noqa: BLE001
+                rec.write("online", shape, rate=rate, status="error", error=_err(exc))
+
+
+def _err(exc):
+    return f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exc().splitlines(True)[-6:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    C.add_common_args(ap)
+    ap.add_argument("--modes", default="offline,online")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--server-python", default=os.environ.get("RADIXLM_SERVER_PYTHON", sys.executable),
+                    help="Python whose environment has numpy<2, pytriton's server pieces and "
+                         "backend.core (default: $RADIXLM_SERVER_PYTHON or this Python)")
+    ap.add_argument("--server-timeout-s", type=float, default=420.0)
+    ap.add_argument("--server-log", default=None, help="keep the server log here")
+    ap.add_argument("--server-pidfile", default=None,
+                    help="write the server's process group id here while it runs")
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--engine-param", action="append", default=[],
+                    help="extra config.pbtxt engine parameter KEY=VALUE (repeatable)")
+    args = ap.parse_args(argv)
+    budget = C.Budget(args.budget_s)
+    # `timeout` sends SIGTERM: unwind through `finally` so that the server is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    label = args.name or C.model_label(args.model)
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    if args.quick:
+        args.client_procs = min(args.client_procs, 2)
+    extra = dict(kv.split("=", 1) for kv in args.engine_param)
+    rec = C.Recorder(args.out, "triton", label, "default",
+                     {"radix_cache": True, "overlap": True, "cuda_graph": True, "stream": True,
+                      "client_procs": args.client_procs}, C.load_done(args.done),
+                     extra={"quick": args.quick, "device": args.device})
+    log(f"bench_triton: model={label} device={device} budget={args.budget_s}s "
+        f"server python={args.server_python}")
+    tmp = Path(tempfile.mkdtemp(prefix="radixlm-triton-"))
+    log_path = Path(args.server_log) if args.server_log else tmp / "server.log"
+    server = None
+    started = False
+    try:
+        repo = make_repository(tmp / "repo", args.model, device, dtype, extra)
+        server = Server(args.server_python, repo, log_path)
+        if args.server_pidfile:
+            Path(args.server_pidfile).write_text(str(server.proc.pid))
+        ready_s = server.wait_ready(min(args.server_timeout_s, max(budget.left() - 10.0, 30.0)))
+        log(f"server ready in {ready_s:.1f}s")
+        warm_s = warmup(server, args)
+        rec.write("startup", "triton", {"ready_s": round(ready_s, 2), "warmup_s": round(warm_s, 2),
+                                        "config_pbtxt": (repo / MODEL / "config.pbtxt").read_text()[-900:]})
+        started = True
+        modes = args.modes.split(",")
+        if "offline" in modes:
+            mode_offline(server, rec, args, budget)
+        if "online" in modes:
+            mode_online(server, rec, args, budget, label)
+        st = server.stats()
+        rec.write("server_stats", "end", st, status="ok" if st and st.get("integrity_ok") else "error",
+                  error=None if st and st.get("integrity_ok") else str(st)[:500])
+    except Exception as exc:  # noqa: BLE001
+        tail = server.tail() if server else ""
+        rec.write("run" if started else "startup", "triton", status="error",
+                  error=_err(exc) + "\n--- server log tail ---\n" + tail[-4000:])
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+            log("server stopped")
+            if args.server_pidfile:
+                Path(args.server_pidfile).unlink(missing_ok=True)
+        if not args.server_log:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"bench_triton done in {budget.elapsed():.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
