@@ -64,12 +64,15 @@ _radixlm_bench_setup() {
     _untar "$w/tritonserver.tar.xz" "$tmp" tritonserver || return 1
     export PYTHONPATH="$tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     export CLIENT_PYTHONPATH="$tmp/client:$tmp/site"  # grpcio needs typing_extensions (in site)
-    # the stub's venv overlay, from the base interpreter of BENCH_PY's venv
+    # the stub's venv overlay: /usr/bin/python3.12 as in platform.md (the stub loads the
+    # system libpython3.12, whose stdlib must match), else the base of BENCH_PY's venv
     local base home purelib sp="$tmp/v/lib/python3.12/site-packages"
-    home="$(sed -n 's/^home *= *//p' "$(dirname "$(dirname "$BENCH_PY")")/pyvenv.cfg" 2>/dev/null)"
-    base="${home:+$home/python3.12}"
-    [ -x "$base" ] || base=/usr/bin/python3.12
-    [ -x "$base" ] || base="$BENCH_PY"
+    base=/usr/bin/python3.12
+    if [ ! -x "$base" ]; then
+      home="$(sed -n 's/^home *= *//p' "$(dirname "$(dirname "$BENCH_PY")")/pyvenv.cfg" 2>/dev/null)"
+      base="${home:+$home/python3.12}"
+      [ -x "$base" ] || base="$BENCH_PY"
+    fi
     if [ ! -x "$tmp/v/bin/python3" ]; then
       "$base" -m venv --without-pip "$tmp/v" || { echo "setup: venv with $base failed"; return 1; }
     fi
