@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import uuid
 
 import torch
@@ -46,7 +47,7 @@ class Engine:
         self._groups: dict[str, list[Req]] = {}  # caller's id -> its samples / choices
         self._score_choices: dict[str, list[str]] = {}
         self.counters = {"prompt_tokens": 0, "cache_hit_tokens": 0, "generated_tokens": 0,
-                         "finished_requests": 0}
+                         "finished_requests": 0, "steps": 0, "schedule_seconds": 0.0}
 
     # ------------------------------------------------------------------ submission
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None,
@@ -178,7 +179,10 @@ class Engine:
         outputs += self._resolve_grammars()
         if self._inflight is not None and not self._can_overlap():
             outputs += self._read_inflight()
+        started = time.perf_counter()
         items = self.scheduler.schedule()
+        self.counters["schedule_seconds"] += time.perf_counter() - started
+        self.counters["steps"] += bool(items)
         for req in self.scheduler.forced_finish:
             outputs += self.processor.finish(req, req.finish_reason)
         self.scheduler.forced_finish.clear()

@@ -25,7 +25,7 @@ LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step cos
 # A waiting request that shares at least this many uncached tokens with one admitted in
 # the same step waits a step: next step those tokens come from the cache instead of
 # being computed twice (few-shot batches arriving together).
-IN_BATCH_SHARE_MIN = 32
+IN_BATCH_SHARE_MIN = 16
 
 
 @dataclass
@@ -108,7 +108,9 @@ class Scheduler:
     def _schedule_waiting(self, budget: int) -> list[ScheduledItem]:
         items: list[ScheduledItem] = []
         admitted_arrivals: list[float] = []
-        admitted_prompts: list[list[int]] = []
+        # prompts whose KV is being computed now: this step's admissions and chunked
+        # prefills still under way
+        admitted_prompts = [r.fill_ids for r in self.running if r.num_uncomputed > 1]
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
