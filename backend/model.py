@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import wire
 from backend.core import Engine
-from backend.serving import EngineLoop
+from backend.serving import EngineLoop, watch_stop_signals
 from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -95,7 +95,13 @@ class TritonPythonModel:
 
         self.logger.log_info(f"radixlm: building the engine: {config}")
         self.engine = Engine(config)
-        self.loop = EngineLoop(self.engine, on_error=self.logger.log_error)
+        stopping = watch_stop_signals()
+        if stopping is None:
+            self.logger.log_warn("radixlm: cannot watch SIGTERM/SIGINT here; in-flight "
+                                 "requests will run to completion on server shutdown")
+        self.loop = EngineLoop(self.engine, on_error=self.logger.log_error,
+                               on_info=self.logger.log_info,
+                               server_stopping=stopping.is_set if stopping else None)
         self.loop.start()
         self.logger.log_info("radixlm: engine ready")
 
@@ -128,3 +134,4 @@ class TritonPythonModel:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+            self.logger.log_info("radixlm: engine loop stopped")

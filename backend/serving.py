@@ -16,7 +16,9 @@ Response rules:
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -39,6 +41,33 @@ class ResponseSink(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+def watch_stop_signals() -> threading.Event | None:
+    """An event set when this process gets SIGTERM or SIGINT; None where handlers cannot
+    be installed (only the main thread may).
+
+    Why: on shutdown tritonserver neither cancels in-flight decoupled requests nor calls
+    ``finalize`` before each has sent its final response, so a long stream would hold the
+    server up. The Python backend stub shares tritonserver's process group, so Ctrl-C or
+    ``kill -TERM -<pgid>`` reaches it too. Its main thread sits in C++ (a Python handler
+    would run late), so the signal is read from a wakeup fd by a watcher thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    stopping = threading.Event()
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)  # the stub keeps running until finalize
+    signal.set_wakeup_fd(write_fd)
+
+    def watch() -> None:
+        while os.read(read_fd, 64):
+            stopping.set()
+
+    threading.Thread(target=watch, name="radixlm-signal-watch", daemon=True).start()
+    return stopping
+
+
 # ---- request bookkeeping --------------------------------------------------------------
 
 @dataclass
@@ -58,18 +87,27 @@ class _Tracked:
     num_samples: int
     samples: dict[int, _Sample] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
-    cancelled: bool = False
+    cancelled: bool = False  # by the client: its final response is a CANCELLED error
+    aborted: bool = False  # by the server shutting down: a final with finish_reason "abort"
 
 
 class EngineLoop:
     """Owns the engine's step loop in one background thread."""
 
     def __init__(self, engine, idle_wait_s: float = 0.05, cancel_poll_s: float = 0.1,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None,
+                 on_info: Callable[[str], None] | None = None,
+                 server_stopping: Callable[[], bool] | None = None) -> None:
+        """``server_stopping``, polled while requests are pending, says the server has
+        begun to shut down: pending requests are then aborted so that each gets its final
+        response (tritonserver only unloads the model, and so calls ``finalize``, once
+        every response sender has sent its final flag)."""
         self.engine = engine
         self._idle_wait_s = idle_wait_s
         self._cancel_poll_s = cancel_poll_s
+        self._server_stopping = server_stopping
         self._on_error = on_error or log.error
+        self._on_info = on_info or log.info
         self._lock = threading.Lock()
         self._active: dict[str, _Tracked] = {}
         self._stats_sinks: queue.SimpleQueue[ResponseSink] = queue.SimpleQueue()
@@ -124,6 +162,9 @@ class EngineLoop:
             now = time.monotonic()
             if now - last_poll >= self._cancel_poll_s:
                 self._abort_cancelled()
+                if self._server_stopping is not None and self.num_active() \
+                        and _safe(self._server_stopping, default=False):
+                    self._abort_pending()
                 last_poll = now
             if not self.engine.has_work():
                 self.engine.wait_for_work(self._idle_wait_s)
@@ -166,6 +207,17 @@ class EngineLoop:
             if _safe(tracked.sink.is_cancelled, default=True):
                 tracked.cancelled = True
                 self.engine.abort(rid)
+
+    def _abort_pending(self) -> None:
+        with self._lock:
+            candidates = [(rid, t) for rid, t in self._active.items()
+                          if not (t.cancelled or t.aborted)]
+        if candidates:
+            self._on_info(f"radixlm: aborting {len(candidates)} pending request(s): "
+                          "the server is stopping")
+        for rid, tracked in candidates:
+            tracked.aborted = True
+            self.engine.abort(rid)
 
     def _route(self, out) -> None:
         with self._lock:
@@ -244,10 +296,7 @@ class EngineLoop:
 
     def _drain(self, budget_s: float = 10.0) -> None:
         """Shutdown: abort everything and step until the engine has sent the aborts."""
-        with self._lock:
-            rids = list(self._active)
-        for rid in rids:
-            self.engine.abort(rid)
+        self._abort_pending()
         deadline = time.monotonic() + budget_s
         while self.num_active() and time.monotonic() < deadline and self.engine.has_work():
             self._step()

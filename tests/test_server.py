@@ -309,3 +309,37 @@ def test_model_config_gives_clients_the_served_models_chat_template(triton_serve
     assert from_tokenizer["eos_token"] == "<|im_end|>"
     assert published["eos_token"] == from_tokenizer["eos_token"]
     assert published["chat_template"] == from_tokenizer["chat_template"]
+
+
+def test_sigterm_ends_in_flight_streams_with_a_final_response_and_exits(tmp_path):
+    """SIGTERM to the server's process group (what Ctrl-C or `kill -TERM -<pgid>` does):
+    the backend aborts the in-flight request with a final response, and the server
+    unloads the model (finalize runs) and exits well within Triton's exit timeout."""
+    import os
+    import signal
+
+    from conftest import _stop, start_server
+
+    server = start_server(tmp_path / "server.log")
+    try:
+        s = Stream(server)
+        s.send("in-flight", grpc_inputs(PROMPTS["en"], {"temperature": 0, "max_tokens": 3000,
+                                                         "ignore_eos": True}))
+        result, error = s.events.get(timeout=60)
+        assert error is None and not response_dict(result)["final"]
+        started = time.monotonic()
+        os.killpg(server.process.pid, signal.SIGTERM)
+        while True:  # the stream ends with a final response, not an error
+            result, error = s.events.get(timeout=30)
+            assert error is None, error
+            item = response_dict(result)
+            if item["final"]:
+                break
+        assert item["finish_reason"] == "abort" and item["num_output_tokens"] < 3000
+        s.close()
+        server.process.wait(timeout=30)
+        assert time.monotonic() - started < 30
+        log = server.log_path.read_text()
+        assert "radixlm: engine loop stopped" in log and "successfully unloaded 'llm'" in log
+    finally:
+        _stop(server.process)

@@ -224,3 +224,26 @@ def test_stop_drains_pending_requests_with_final_responses():
     late = RecordingSink()
     loop.submit(generate(), late)
     assert late.errors == [("the model is shutting down", False)]
+
+
+def test_server_shutdown_aborts_pending_requests_with_final_responses():
+    stopping = threading.Event()
+    loop = EngineLoop(ScriptedEngine(), idle_wait_s=0.005, cancel_poll_s=0.0,
+                      server_stopping=stopping.is_set)
+    loop.start()
+    try:
+        streamed, whole = RecordingSink(), RecordingSink()
+        loop.submit(generate(max_new_tokens=100_000), streamed)
+        loop.submit(generate("Q: ", stream=False, prepend=True, max_new_tokens=100_000), whole)
+        while len(streamed.responses) < 3:
+            time.sleep(0.001)
+        stopping.set()
+        assert streamed.closed.wait(5) and whole.closed.wait(5)
+        last, final = streamed.responses[-1]
+        assert final and last[wire.FINISH_REASON][0] == b"abort"
+        (out, final), = whole.responses
+        assert final and out[wire.FINISH_REASON][0] == b"abort"
+        assert out[wire.TEXT_OUTPUT][0].decode().startswith("Q: 1 2 3 ")
+        assert loop.num_active() == 0 and not streamed.errors
+    finally:
+        loop.stop(timeout_s=5)
