@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import wire
 from backend.core import Engine
-from backend.serving import EngineLoop, watch_stop_signals
+from backend.serving import EngineLoop
 from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -42,6 +45,33 @@ class TritonResponseSink:
         # One IPC round trip to the server process (~30-70 us): the loop polls it for
         # every pending request, so ask once (the request's flag is the sender's too).
         return self._request.is_cancelled()
+
+
+def watch_stop_signals() -> threading.Event | None:
+    """An event set when this process gets SIGTERM or SIGINT; None where handlers cannot
+    be installed (only the main thread may).
+
+    Why: on shutdown tritonserver neither cancels in-flight decoupled requests nor calls
+    ``finalize`` before each has sent its final response, so a long stream would hold the
+    server up. The Python backend stub shares tritonserver's process group, so Ctrl-C or
+    ``kill -TERM -<pgid>`` reaches it too. Its main thread sits in C++ (a Python handler
+    would run late), so the signal is read from a wakeup fd by a watcher thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    stopping = threading.Event()
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)  # the stub keeps running until finalize
+    signal.set_wakeup_fd(write_fd)
+
+    def watch() -> None:
+        while os.read(read_fd, 64):
+            stopping.set()
+
+    threading.Thread(target=watch, name="radixlm-signal-watch", daemon=True).start()
+    return stopping
 
 
 def _read_inputs(request) -> dict[str, np.ndarray]:

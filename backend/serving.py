@@ -16,9 +16,7 @@ Response rules:
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -39,33 +37,6 @@ class ResponseSink(Protocol):
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
     def send_error(self, message: str, cancelled: bool = False) -> None: ...  # always final
     def is_cancelled(self) -> bool: ...
-
-
-def watch_stop_signals() -> threading.Event | None:
-    """An event set when this process gets SIGTERM or SIGINT; None where handlers cannot
-    be installed (only the main thread may).
-
-    Why: on shutdown tritonserver neither cancels in-flight decoupled requests nor calls
-    ``finalize`` before each has sent its final response, so a long stream would hold the
-    server up. The Python backend stub shares tritonserver's process group, so Ctrl-C or
-    ``kill -TERM -<pgid>`` reaches it too. Its main thread sits in C++ (a Python handler
-    would run late), so the signal is read from a wakeup fd by a watcher thread.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    stopping = threading.Event()
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: None)  # the stub keeps running until finalize
-    signal.set_wakeup_fd(write_fd)
-
-    def watch() -> None:
-        while os.read(read_fd, 64):
-            stopping.set()
-
-    threading.Thread(target=watch, name="radixlm-signal-watch", daemon=True).start()
-    return stopping
 
 
 # ---- request bookkeeping --------------------------------------------------------------

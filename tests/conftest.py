@@ -2,7 +2,9 @@
 and an in-process reference engine configured exactly like the served one."""
 from __future__ import annotations
 
+import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -13,7 +15,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import requests
+import tritonclient.grpc as grpcclient
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO / "model_repository"
@@ -130,3 +135,113 @@ def reference_engine():
     ensure_default_model()
     search_dirs = [MODEL_REPOSITORY / SERVED_MODEL, MODEL_REPOSITORY, REPO]
     return Engine(engine_config_from_parameters(model_parameters(), search_dirs))
+
+
+# ---- clients of the served model (shared by the server tests) --------------------------
+
+def grpc_inputs(prompt: str, params: dict, stream: bool = True, **extra) -> list:
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    tensors = [
+        tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        tensor("stream", np.array([stream]), "BOOL"),
+        tensor("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_),
+               "BYTES"),
+        tensor("exclude_input_in_output", np.array([True]), "BOOL"),
+    ]
+    return tensors + [tensor(name, array, dtype) for name, (array, dtype) in extra.items()]
+
+
+def response_dict(result) -> dict:
+    response = result.get_response()
+    out = {"id": response.id, "final": response.parameters["triton_final_response"].bool_param}
+    names = {o.name for o in response.outputs}
+    for name in ("text_output", "finish_reason", "logprobs"):
+        if name in names:
+            out[name] = result.as_numpy(name)[0].decode("utf-8")
+    for name in ("output_ids", "context_ids"):
+        if name in names:
+            out[name] = [int(i) for i in result.as_numpy(name)]
+    for name in ("num_input_tokens", "num_output_tokens", "num_cached_tokens", "index"):
+        if name in names:
+            out[name] = int(result.as_numpy(name)[0])
+    return out
+
+
+class Stream:
+    """One gRPC bidirectional stream; responses are grouped by request id."""
+
+    def __init__(self, server) -> None:
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.events: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result=None, error=None:
+                                 self.events.put((result, error)))
+        self.model = server.model
+
+    def send(self, request_id: str, inputs: list) -> None:
+        self.client.async_stream_infer(self.model, inputs, request_id=request_id,
+                                       enable_empty_final_response=True)
+
+    def collect(self, request_ids, timeout_s: float = 120.0) -> dict[str, list[dict]]:
+        pending, responses = set(request_ids), {rid: [] for rid in request_ids}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            result, error = self.events.get(timeout=max(deadline - time.monotonic(), 0.01))
+            assert error is None, f"stream error: {error}"
+            item = response_dict(result)
+            responses[item["id"]].append(item)
+            if item["final"]:
+                pending.discard(item["id"])
+        return responses
+
+    def next_error(self, timeout_s: float = 60.0) -> str:
+        result, error = self.events.get(timeout=timeout_s)
+        assert error is not None, f"expected an error, got {response_dict(result)}"
+        return str(error)
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+@pytest.fixture
+def stream(triton_server):
+    s = Stream(triton_server)
+    yield s
+    s.close()
+
+
+class Generated(dict):
+    """HTTP generate's JSON; Triton writes one-element arrays as scalars, so list-valued
+    outputs are read back as lists."""
+
+    def __init__(self, response: requests.Response) -> None:
+        super().__init__(response.json())
+        self.status_code = response.status_code
+        for name in ("output_ids", "context_ids"):
+            if name in self and not isinstance(self[name], list):
+                self[name] = [self[name]]
+
+
+def http_generate(server, body: dict, timeout_s: float = 120.0) -> Generated:
+    return Generated(requests.post(
+        f"http://{server.http_url}/v2/models/{server.model}/generate", json=body,
+        timeout=timeout_s))
+
+
+def generate_body(prompt: str, params: dict) -> dict:
+    return {"text_input": prompt, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(params)}
+
+
+def server_stats(server) -> dict:
+    response = http_generate(server, {"parameters": {"debug": "stats"}})
+    assert response.status_code == 200, response
+    return json.loads(response["stats"])
+
+
+def joined(pieces: list[dict]) -> tuple[str, list[int]]:
+    return "".join(p["text_output"] for p in pieces), [i for p in pieces for i in p["output_ids"]]

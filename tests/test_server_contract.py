@@ -1,0 +1,95 @@
+"""The rest of the served contract: prompt echo, n samples, scoring, logprobs, the model
+config clients read, and shutdown with requests in flight."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+
+from backend.wire import read_model_info
+from conftest import DEFAULT_MODEL, Stream, _stop, generate_body, grpc_inputs, http_generate, \
+    response_dict, start_server
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+GREEDY = {"temperature": 0, "max_tokens": 8}
+
+
+def test_non_streamed_answer_includes_the_prompt_by_default(triton_server):
+    body = {"text_input": "Hello there", "sampling_parameters": json.dumps(GREEDY)}
+    text = http_generate(triton_server, body)["text_output"]
+    assert text.startswith("Hello there") and len(text) > len("Hello there")
+
+
+def test_n_samples_stream_with_an_index(stream):
+    params = {"temperature": 1.0, "seed": 7, "max_tokens": 3, "n": 2, "ignore_eos": True}
+    stream.send("two", grpc_inputs("Pick a number:", params))
+    pieces = stream.collect(["two"])["two"]
+    by_index = {i: [p for p in pieces if p["index"] == i] for i in (0, 1)}
+    assert all(sum(len(p["output_ids"]) for p in by_index[i]) == 3 for i in (0, 1))
+    assert [p["final"] for p in pieces].count(True) == 1 and pieces[-1]["final"]
+
+
+def test_choices_are_scored_in_one_response(stream):
+    choices = grpcclient.InferInput("choices", [1], "BYTES")
+    choices.set_data_from_numpy(np.array([b'["Paris", "a banana"]'], dtype=np.object_))
+    stream.send("score", grpc_inputs("The capital of France is", {}, stream=False) + [choices])
+    result, error = stream.events.get(timeout=60)
+    assert error is None
+    scores = json.loads(result.as_numpy("choice_scores")[0])
+    assert [s["choice"] for s in scores] == ["Paris", "a banana"]
+    assert all(s["num_tokens"] == len(s["token_logprobs"]) >= 1 for s in scores)
+    assert all(s["logprob_sum"] < 0 for s in scores)
+
+
+def test_logprobs_are_returned_when_asked(triton_server):
+    body = generate_body("Hello", {"temperature": 0, "max_tokens": 3, "logprobs": 2})
+    out = http_generate(triton_server, body)
+    logprobs = json.loads(out["logprobs"])
+    assert [lp["token_id"] for lp in logprobs] == out["output_ids"]
+    assert all(lp["logprob"] <= 0 and len(lp["top_logprobs"]) == 2 for lp in logprobs)
+
+
+def test_model_config_gives_clients_the_served_models_chat_template(triton_server):
+    config = requests.get(f"http://{triton_server.http_url}/v2/models/{triton_server.model}"
+                          "/config", timeout=30).json()
+    published = {k: v["string_value"] for k, v in config["parameters"].items()}
+    from_tokenizer = read_model_info({"model_path": str(DEFAULT_MODEL)}, [])
+    assert from_tokenizer["eos_token"] == "<|im_end|>"
+    assert published["eos_token"] == from_tokenizer["eos_token"]
+    assert published["chat_template"] == from_tokenizer["chat_template"]
+
+
+def test_sigterm_ends_in_flight_streams_with_a_final_response_and_exits(tmp_path):
+    """SIGTERM to the server's process group (what Ctrl-C or `kill -TERM -<pgid>` does):
+    the backend aborts the in-flight request with a final response, and the server
+    unloads the model (finalize runs) and exits well within Triton's exit timeout."""
+    server = start_server(tmp_path / "server.log")
+    try:
+        s = Stream(server)
+        params = {"temperature": 0, "max_tokens": 3000, "ignore_eos": True}
+        s.send("in-flight", grpc_inputs("Tell me a long story.", params))
+        result, error = s.events.get(timeout=60)
+        assert error is None and not response_dict(result)["final"]
+        started = time.monotonic()
+        os.killpg(server.process.pid, signal.SIGTERM)
+        while True:  # the stream ends with a final response, not an error
+            result, error = s.events.get(timeout=30)
+            assert error is None, error
+            item = response_dict(result)
+            if item["final"]:
+                break
+        assert item["finish_reason"] == "abort" and item["num_output_tokens"] < 3000
+        s.close()
+        server.process.wait(timeout=30)
+        assert time.monotonic() - started < 30
+        log = server.log_path.read_text()
+        assert "radixlm: engine loop stopped" in log and "successfully unloaded 'llm'" in log
+    finally:
+        _stop(server.process)
