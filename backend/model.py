@@ -1,8 +1,9 @@
 """RadixLM as a decoupled Triton Python-based backend (``backend: "radixlm"``).
 
-The only module that knows Triton's ``triton_python_backend_utils``. It reads tensors
-out of requests, writes responses through response senders, and leaves everything
-else to ``backend.wire`` (the wire contract) and ``backend.serving`` (the engine loop).
+The only module that knows Triton's ``triton_python_backend_utils`` and the stub process
+it runs in. It reads tensors out of requests, writes responses through response senders,
+watches the stop signals, and leaves everything else to ``backend.wire`` (the wire
+contract) and ``backend.serving`` (the engine loop).
 """
 from __future__ import annotations
 
