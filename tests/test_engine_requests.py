@@ -159,3 +159,16 @@ def test_thousand_random_requests_with_random_aborts_leave_no_slot_in_use(model,
     assert stats["kv_tokens_in_use_by_requests"] == 0
     assert stats["finished_requests"] == total
     engine.check_integrity()
+
+
+def test_warm_up_touches_only_the_dummy_slot_and_row(engine):
+    """The start-up warm-up (run on GPUs to compile kernels) writes KV slot 0 and table
+    row 0 only: no slot is taken from the pool and later outputs are unchanged."""
+    before = engine.generate([[11, 12, 13, 14]], SamplingParams(max_new_tokens=5, **GREEDY))[0]
+    free = engine.runner.kv_pool.available_size()
+    engine.runner.warm_up()
+    assert engine.runner.kv_pool.available_size() == free
+    engine.check_integrity()
+    engine.cache.reset()
+    after = engine.generate([[11, 12, 13, 14]], SamplingParams(max_new_tokens=5, **GREEDY))[0]
+    assert after.token_ids == before.token_ids

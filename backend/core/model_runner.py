@@ -37,6 +37,8 @@ class ModelRunner:
                                        str(self.device))
         self.attn = self._make_attention()
         self.graphs = None
+        if self.device.type == "cuda":
+            self.warm_up()
         if self.device.type == "cuda" and config.enable_cuda_graph and self.attn.supports_cuda_graph:
             from .cuda_graph import CudaGraphRunner
 
@@ -99,6 +101,21 @@ class ModelRunner:
                                    num_heads=self.hf_config.num_attention_heads,
                                    max_batch_size=self.config.max_running_requests)
         return TorchAttention(self.kv_pool, self.req_pool.req_to_token)
+
+    WARMUP_EXTEND_LENS = (1, 16, 32, 64, 128, 256)
+
+    def warm_up(self) -> None:
+        """Run one dummy extend per kernel tile size, so Triton compiles its kernels at
+        start-up instead of inside the first requests of each size (a compile takes far
+        longer than a step). Dummy tokens use table row 0 and KV slot 0, never handed out."""
+        for n in self.WARMUP_EXTEND_LENS:
+            n = min(n, self.context_len)
+            batch = ForwardBatch.build(input_ids=[0] * n, req_pool_indices=[0], extend_prefix_lens=[0],
+                                       extend_seq_lens=[n], out_cache_loc=[0] * n,
+                                       logits_indices=[n - 1], device=self.device)
+            self.forward(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ running
     @torch.inference_mode()
