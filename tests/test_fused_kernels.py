@@ -9,18 +9,14 @@ nearest like torch's, so it would be off by one bf16 ulp regardless of the kerne
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreter_cases import REPO, results_of, run_cases
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -199,26 +195,12 @@ def _worker() -> None:
     from triton.runtime.interpreter import InterpretedFunction
     from backend.core.kernels import fused
     assert isinstance(fused._rmsnorm_kernel, InterpretedFunction), "interpreter not active"
-    results = {}
-    for case_id, (fn, kwargs) in CASES.items():
-        try:
-            with torch.no_grad():
-                fn(**kwargs)
-            results[case_id] = "ok"
-        except Exception:  # report every case, not just the first failure
-            results[case_id] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    run_cases(CASES)
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return results_of(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

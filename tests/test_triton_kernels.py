@@ -8,17 +8,13 @@ with TRITON_INTERPRET=1; the worker runs every case and prints one JSON line
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreter_cases import REPO, results_of, run_cases
+
 FP32_TOL = 1e-4
 
 
@@ -155,25 +151,12 @@ def _worker() -> None:
     from triton.runtime.interpreter import InterpretedFunction
     import backend.core.kernels.kv_store as kv_store
     assert isinstance(kv_store._store_kv_kernel, InterpretedFunction), "interpreter not active"
-    results = {}
-    for case_id, (fn, kwargs) in CASES.items():
-        try:
-            fn(**kwargs)
-            results[case_id] = "ok"
-        except Exception:  # report every case, not just the first failure
-            results[case_id] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    run_cases(CASES)
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return results_of(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
