@@ -137,7 +137,8 @@ class SamplingParams:
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}")
         check(0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer")
+        check(self.seed is None or isinstance(self.seed, int) and not isinstance(self.seed, bool),
+              f"seed must be an integer, got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(self.prompt_logprobs_start is None or self.prompt_logprobs_start >= 0,
               "prompt_logprobs_start must be >= 0")
