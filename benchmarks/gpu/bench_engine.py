@@ -7,7 +7,7 @@
 
 Modes (each item appends one line to --out; an item that would not fit the budget is
 recorded as ``skipped``, one that fails as ``error``, and the next item still runs):
-  offline  batches submitted at once (targets.md rows); output tok/s, TTFT/TPOT
+  offline  batches submitted at once (the anchor rows); output tok/s, TTFT/TPOT
   hbm      device copy bandwidth, then steady decode at batch 1 and 64: bytes of weights
            and KV read per step / step time, as a fraction of the copy bandwidth; also the
            scheduler's CPU time per step (Scheduler.schedule, timed from outside)
@@ -322,7 +322,7 @@ def mode_hbm(ctx):
                 "kv_bytes_per_token": kv_tok, "achieved_TBps": round(achieved / 1e12, 4),
                 "copy_bw_TBps": round(bw / 1e12, 4), "hbm_fraction": round(achieved / bw, 4),
                 "decode_tok_per_s": round(b / step_s, 1),
-                # targets.md's bound: batch-1 tok/s if a step only streamed all weights
+                # the bound: batch-1 tok/s if a step only streamed all weights
                 "bound_tok_per_s_weights_all": round(bw / w_all, 1),
                 # None when the engine does not call Scheduler.schedule through the instance
                 "sched_ms_per_call": round(timer.total / timer.calls * 1e3, 4) if timer.calls else None,

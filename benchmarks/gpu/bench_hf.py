@@ -10,7 +10,7 @@ Greedy, exactly ``n_out`` new tokens (``min_new_tokens``), the default dynamic K
 Prompts are the same random ids as the engine's (same seeds), all of one length, so no
 padding is needed.
 
-offline: each targets.md row as one ``generate`` call; TTFT from a streamer (the time of
+offline: each anchor row as one ``generate`` call; TTFT from a streamer (the time of
          the first generated token), TPOT = (end - first) / (n_out - 1).
 online:  dynamic batching: requests arrive as in bench_engine's Poisson streams (same
          seeds and counts); whenever the model is idle it takes up to --max-batch waiting

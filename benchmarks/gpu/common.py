@@ -26,7 +26,7 @@ for _p in (str(REPO), str(REPO / "benchmarks")):
 T_START = time.monotonic()
 
 # ----------------------------------------------------------------------------- workloads
-# (batch, input tokens, output tokens): the rows of docs targets.md
+# (batch, input tokens, output tokens): the rows of the speed-anchor table
 OFFLINE_ROWS = [(1, 32, 128), (32, 32, 128), (128, 32, 128), (32, 256, 32)]
 QUICK_OFFLINE_ROWS = [(1, 8, 8), (4, 8, 8), (8, 8, 8), (4, 32, 4)]
 # online request streams (the DJL table's two shapes)

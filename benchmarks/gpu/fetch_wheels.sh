@@ -48,7 +48,7 @@ dl "$D/site" xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydan
 # and protobuf>=6.33 (<7): carried so the machine's versions do not matter.
 dl "$D/client" tritonclient==2.73.0 grpcio==1.85.3 protobuf==6.33.6 python-rapidjson==1.25
 
-# The stub's Python must import numpy<2 (platform.md: numpy 2 corrupts BYTES tensors).
+# The stub's Python must import numpy<2 (numpy 2 corrupts BYTES tensors in these stubs).
 dl "$D/stub" numpy==1.26.4
 
 echo "== Requires-Dist (non-extra) of what was fetched; each must be carried or on the GPU machine:"

@@ -5,9 +5,9 @@
 
 Reads the JSON lines the benchmark scripts append, keeps one line per item (the latest
 ``ok`` one, else the latest), and writes: results.json (those lines, grouped), README.md
-(tables: targets.md rows with the transformers / vLLM anchors, online streams, shared
+(tables: anchor rows with the transformers / vLLM anchors, online streams, shared
 prefix, decode HBM bandwidth, JSON decoding, the issue-7 targets, what was not measured)
-and PNG plots. Anchors are targets.md's (measured on the same H200 model, 2026-11-30).
+and PNG plots. Anchors are the speed anchors (measured on the same H200 model, 2026-11-30).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-# targets.md: output tok/s, random bf16 weights, all requests submitted at once
+# speed anchors: output tok/s, random bf16 weights, all requests submitted at once
 ANCHORS = {
     "llama-1b": {"b1_in32_out128": (14.6, 575), "b32_in32_out128": (624, 12979),
                  "b128_in32_out128": (2354, 35889), "b32_in256_out32": (492, 9933),
@@ -31,7 +31,7 @@ ANCHORS = {
                  "b128_in32_out128": (2129, 16522), "b32_in256_out32": (403, 2749),
                  "few-shot": (None, 7377), "few-shot (cache off)": (None, 2000)},
 }
-BOUND_ANCHOR = {"llama-1b": 1712, "llama-8b": 263}  # targets.md batch-1 bound, tok/s
+BOUND_ANCHOR = {"llama-1b": 1712, "llama-8b": 263}  # anchor batch-1 bound, tok/s
 BATCH1_TARGET = {"llama-1b": (0.60, 1027), "llama-8b": (0.85, 224)}
 MODEL_ORDER = ["llama-1b", "llama-8b", "default", "tiny-llama"]
 ROW_ORDER = ["b1_in32_out128", "b32_in32_out128", "b128_in32_out128", "b32_in256_out32"]
@@ -138,9 +138,9 @@ def table(headers, rows):
 
 # ----------------------------------------------------------------------------- sections
 def offline_section(db):
-    parts = ["## Offline throughput: the targets.md rows (output tokens/s)\n",
+    parts = ["## Offline throughput: the anchor rows (output tokens/s)\n",
              "All requests submitted at once; random bf16 weights of the named shape; greedy, "
-             "exactly n_out tokens (ignore_eos). *anchor*: targets.md (same machine model, "
+             "exactly n_out tokens (ignore_eos). *anchor*: transformers and vLLM 0.26 measured on the same machine model ("
              "2026-11-30). Ours: median of up to 3 runs.\n"]
     for model in db.models():
         anchors = ANCHORS.get(model, {})
@@ -182,7 +182,7 @@ def offline_section(db):
                 frac, tgt = BATCH1_TARGET[model]
                 parts.append(f"\nBatch 1: {fmt(b1)} tok/s = {ratio(b1, bound or BOUND_ANCHOR[model], pct=True)} of "
                              f"the bound {fmt(bound or BOUND_ANCHOR[model])} tok/s (all weight bytes / copy "
-                             f"bandwidth{' measured in this run' if bound else ', targets.md'}); "
+                             f"bandwidth{' measured in this run' if bound else ', anchor'}); "
                              f"target {int(frac * 100)}% = {fmt(tgt)} tok/s.\n")
             parts.append("")
     return "\n".join(parts)

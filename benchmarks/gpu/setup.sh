@@ -5,7 +5,7 @@
 #   /tmp/site         xgrammar 0.2.9 + deps (engine processes: PYTHONPATH)
 #   /tmp/client       tritonclient[grpc] 2.73.0, grpcio, protobuf 6.x (the gRPC client only)
 #   /tmp/tritonserver pytriton/tritonserver/... + nvidia_pytriton.libs (tritonserver 2.51)
-#   /tmp/v            venv overlay for the Python backend stub (platform.md): made with the
+#   /tmp/v            venv overlay for the Python backend stub : made with the
 #                     base python3.12 of /opt/torch/.venv, --without-pip; numpy 1.26.4 in its
 #                     site-packages, and a .pth adding the repo, /tmp/site, /tmp/tritonserver
 #                     and /opt/torch/.venv's site-packages (torch, transformers)
@@ -64,7 +64,7 @@ _radixlm_bench_setup() {
     _untar "$w/tritonserver.tar.xz" "$tmp" tritonserver || return 1
     export PYTHONPATH="$tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     export CLIENT_PYTHONPATH="$tmp/client:$tmp/site"  # grpcio needs typing_extensions (in site)
-    # the stub's venv overlay: /usr/bin/python3.12 as in platform.md (the stub loads the
+    # the stub's venv overlay: /usr/bin/python3.12 (the stub loads the
     # system libpython3.12, whose stdlib must match), else the base of BENCH_PY's venv
     local base home purelib sp="$tmp/v/lib/python3.12/site-packages"
     base=/usr/bin/python3.12
