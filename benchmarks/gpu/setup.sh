@@ -81,6 +81,12 @@ _radixlm_bench_setup() {
       cp -a "$tmp"/stub/numpy "$tmp"/stub/numpy-*.dist-info "$tmp"/stub/numpy.libs "$sp/"
       cp "$tmp/stub/.radixlm_stamp" "$sp/.radixlm_stamp"
     fi
+    # The GPU image's scipy and scikit-learn are built for numpy 2; under the stub's
+    # numpy 1.26 transformers' import of them fails and takes AutoTokenizer down with it
+    # (seen 2026-11-30). A None entry in sys.modules makes find_spec report them absent,
+    # so transformers never imports them. (Not yet verified on the GPU machine.)
+    printf 'import sys\nfor _name in ("scipy", "sklearn"):\n    sys.modules.setdefault(_name, None)\n' \
+      > "$sp/sitecustomize.py"
     purelib="$("$BENCH_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     printf '%s\n' "$root" "$tmp/site" "$tmp/tritonserver" "$purelib" > "$sp/radixlm_bench.pth"
     export RADIXLM_SERVER_PYTHON="$tmp/v/bin/python3"
