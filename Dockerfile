@@ -60,6 +60,11 @@ RUN if [ "$BUILD_DEFAULT_MODEL" = "1" ]; then \
     fi
 
 COPY model_repository/ /models/model_repository/
+# The ensemble's tokenizer/detokenizer code. model_repository/{pre,post}processing/1/model.py
+# are relative symlinks to ../../../ensemble/*.py, so it sits next to the repository.
+COPY ensemble/ /models/ensemble/
+RUN test -f /models/model_repository/preprocessing/1/model.py && \
+    test -f /models/model_repository/postprocessing/1/model.py
 COPY docker/entrypoint.py /opt/radixlm/entrypoint.py
 
 # Engine settings applied by the entrypoint (docker/entrypoint.py) to the engine model's

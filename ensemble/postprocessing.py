@@ -1,0 +1,97 @@
+"""The ensemble's `postprocessing` model: one engine response -> its ``text_output``.
+
+Served as model_repository/postprocessing/1/model.py (a symlink to this file). Each call
+is stateless: the engine sends the ids that precede the response's new ids
+(``context_ids``), which is all ``decode_window`` needs (textproc.response_text). The
+token counts and finish reason pass through, so that every ensemble response comes out
+of this one step whole.
+
+Inputs, all outputs of the engine model (Triton allows a step's inputs to come from one
+decoupled model only): ``output_ids``, ``context_ids`` (INT32 [-1]); ``llm_text_output``,
+``llm_finish_reason`` (string); ``llm_num_input_tokens``, ``llm_num_output_tokens``,
+``llm_num_cached_tokens`` (INT32). The request's parameters and the config.pbtxt
+parameter ``skip_special_tokens`` give the text options (textproc.TextOptions).
+Outputs: ``text_output``, ``finish_reason``, ``num_input_tokens``, ``num_output_tokens``,
+``num_cached_tokens``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+# This file's real folder (ensemble/), so that its sibling textproc.py imports.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import textproc  # noqa: E402
+
+_PASSED_THROUGH = (("llm_num_input_tokens", "num_input_tokens"),
+                   ("llm_num_output_tokens", "num_output_tokens"),
+                   ("llm_num_cached_tokens", "num_cached_tokens"))
+
+
+def _array(request, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _string(request, name: str) -> str | None:
+    array = _array(request, name)
+    if array is None or array.size == 0:
+        return None
+    value = array.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _ids(request, name: str) -> list[int]:
+    array = _array(request, name)
+    return [] if array is None else [int(i) for i in array.reshape(-1)]
+
+
+def _parameters(request) -> dict:
+    """The ensemble request's parameters (Triton forwards them to every step)."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return parameters if isinstance(parameters, dict) else {}
+
+
+class TritonPythonModel:
+    def initialize(self, args) -> None:
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        path = textproc.tokenizer_dir(parameters, Path(args["model_repository"]))
+        self.tokenizer = textproc.load_tokenizer(path)
+        self.eos_ids = textproc.eos_token_ids(path, self.tokenizer)
+        self.skip_special_tokens = parameters.get("skip_special_tokens", "true").lower() \
+            in ("true", "1", "yes")
+        pb_utils.Logger.log_info(f"postprocessing: tokenizer from {path}")
+
+    def execute(self, requests):
+        return [self._respond(request) for request in requests]
+
+    def _respond(self, request):
+        try:
+            finish_reason = _string(request, "llm_finish_reason") or ""
+            options = textproc.TextOptions.from_parameters(_parameters(request),
+                                                           self.skip_special_tokens)
+            text = textproc.response_text(
+                self.tokenizer, self.eos_ids, _ids(request, "output_ids"),
+                _ids(request, "context_ids"), finish_reason, options,
+                engine_text=_string(request, "llm_text_output"))
+            outputs = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")],
+                                                               dtype=np.object_)),
+                       pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()],
+                                                                 dtype=np.object_))]
+            for source, name in _PASSED_THROUGH:
+                array = _array(request, source)
+                values = array.reshape(-1) if array is not None else np.zeros(0)
+                outputs.append(pb_utils.Tensor(name, values.astype(np.int32)))
+            return pb_utils.InferenceResponse(output_tensors=outputs)
+        except Exception as exc:  # a bug must fail this response only
+            pb_utils.Logger.log_error(f"postprocessing: {exc!r}")
+            error = pb_utils.TritonError(f"postprocessing failed: {exc}")
+            return pb_utils.InferenceResponse(output_tensors=[], error=error)

@@ -1,0 +1,1 @@
+../../../ensemble/postprocessing.py

@@ -1,0 +1,1 @@
+../../../ensemble/preprocessing.py
