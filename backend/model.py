@@ -2,8 +2,17 @@
 
 The only module that knows Triton's ``triton_python_backend_utils`` and the stub process
 it runs in. It reads tensors out of requests, writes responses through response senders,
-watches the stop signals, and leaves everything else to ``backend.wire`` (the wire
-contract) and ``backend.serving`` (the engine loop).
+watches the stop signals, publishes metrics through Triton's custom metrics API, and
+leaves everything else to ``backend.wire`` (the wire contract), ``backend.serving`` (the
+engine loop) and ``backend.metrics`` (what the metrics are).
+
+Engine failure: if the engine loop thread dies, every request fails with the reason and
+``is_ready`` turns false (Triton versions with user-defined readiness, python_backend
+2026+, report the model not ready). Triton 2.51 has no such hook and keeps a model ready
+even when its stub process is gone, so by default (``RADIXLM_ON_ENGINE_FAILURE=shutdown``)
+the stub asks tritonserver to shut down: readiness fails at once and the process exits,
+for the orchestrator to restart it. ``RADIXLM_ON_ENGINE_FAILURE=serve_errors`` keeps the
+server up, answering the model's requests with the error.
 """
 from __future__ import annotations
 
@@ -19,10 +28,17 @@ import triton_python_backend_utils as pb_utils
 
 from backend import wire
 from backend.core import Engine
+from backend.metrics import EngineMetrics
 from backend.serving import EngineLoop
 from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+ON_ENGINE_FAILURE = "RADIXLM_ON_ENGINE_FAILURE"  # "shutdown" (default) or "serve_errors"
+# "1": a request with parameter debug="fail_engine_loop" kills the engine loop (tests of
+# the failure path; never set it in production).
+FAULT_INJECTION = "RADIXLM_FAULT_INJECTION"
+FAIL_ENGINE_LOOP = "fail_engine_loop"
 
 
 class TritonResponseSink:
@@ -46,6 +62,51 @@ class TritonResponseSink:
         # One IPC round trip to the server process (~30-70 us): the loop polls it for
         # every pending request, so ask once (the request's flag is the sender's too).
         return self._request.is_cancelled()
+
+
+class TritonMetricFactory:
+    """``backend.metrics.MetricFactory`` over ``pb_utils.MetricFamily``: one family per
+    metric name, kept until ``close`` (Triton wants a family to outlive its metrics)."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, object] = {}
+
+    def _family(self, name: str, description: str, kind):
+        if name not in self._families:
+            self._families[name] = pb_utils.MetricFamily(name=name, description=description,
+                                                         kind=kind)
+        return self._families[name]
+
+    def counter(self, name, description, labels):
+        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+
+    def gauge(self, name, description, labels):
+        return self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+
+    def histogram(self, name, description, labels, buckets):
+        kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)  # Triton 2.49+
+        if kind is None:
+            raise NotImplementedError("this Python backend has no histogram metrics")
+        return self._family(name, description, kind).Metric(labels=labels, buckets=list(buckets))
+
+    def close(self) -> None:
+        self._families.clear()
+
+
+def stop_tritonserver(logger) -> None:
+    """SIGTERM to tritonserver, the stub's parent: it stops serving (readiness fails at
+    once), unloads the models and exits."""
+    parent = os.getppid()
+    try:
+        name = Path(f"/proc/{parent}/comm").read_text().strip()
+    except OSError:
+        name = "?"
+    if name != "tritonserver":
+        logger.log_error(f"radixlm: the stub's parent is {name!r} (pid {parent}), not "
+                         "tritonserver: not stopping it")
+        return
+    logger.log_error(f"radixlm: stopping tritonserver (pid {parent}) so that it is restarted")
+    os.kill(parent, signal.SIGTERM)
 
 
 def watch_stop_signals() -> threading.Event | None:
@@ -126,15 +187,48 @@ class TritonPythonModel:
 
         self.logger.log_info(f"radixlm: building the engine: {config}")
         self.engine = Engine(config)
-        stopping = watch_stop_signals()
-        if stopping is None:
-            self.logger.log_warn("radixlm: cannot watch SIGTERM/SIGINT here; in-flight "
-                                 "requests will run to completion on server shutdown")
+        self.model_name = args["model_name"]
+        self.stop_signal = watch_stop_signals()
+        if self.stop_signal is None:
+            self.logger.log_warn("radixlm: cannot watch SIGTERM/SIGINT here; server shutdown "
+                                 "is noticed by polling the model's readiness only")
+        self.metric_factory = TritonMetricFactory() if hasattr(pb_utils, "MetricFamily") else None
+        self.metrics = None
+        if self.metric_factory is not None:
+            self.metrics = EngineMetrics(self.metric_factory, args["model_name"],
+                                         args["model_instance_name"])
+            self.metrics.start()
+        self.fault_injection = os.environ.get(FAULT_INJECTION) == "1"
         self.loop = EngineLoop(self.engine, on_error=self.logger.log_error,
                                on_info=self.logger.log_info,
-                               server_stopping=stopping.is_set if stopping else None)
+                               server_stopping=self._server_stopping,
+                               metrics=self.metrics, on_death=self._on_engine_death)
         self.loop.start()
         self.logger.log_info("radixlm: engine ready")
+
+    def _server_stopping(self) -> bool:
+        """Polled by the engine loop while requests are pending (never after finalize).
+        A signal to the stub's process group is one sign; the other covers a SIGTERM to
+        tritonserver alone (Kubernetes signals only the container's first process): from
+        then on Triton answers "Server not ready"."""
+        if self.stop_signal is not None and self.stop_signal.is_set():
+            return True
+        try:
+            return not pb_utils.is_model_ready(self.model_name)
+        except pb_utils.TritonModelException:
+            return True
+
+    def is_ready(self) -> bool:
+        """Triton's user-defined readiness (python_backend 2026+; 2.51 never calls it)."""
+        loop = getattr(self, "loop", None)
+        return loop is not None and loop.failure is None
+
+    def _on_engine_death(self, reason: str) -> None:
+        action = os.environ.get(ON_ENGINE_FAILURE, "shutdown")
+        self.logger.log_error(f"radixlm: the engine is not running ({reason}); every "
+                              f"request of this model now fails ({ON_ENGINE_FAILURE}={action})")
+        if action == "shutdown":
+            stop_tritonserver(self.logger)
 
     def _check_model_info(self, parameters: dict, search_dirs: list[Path]) -> None:
         """Clients read chat_template / eos_token / bos_token from config.pbtxt (Triton
@@ -150,7 +244,12 @@ class TritonPythonModel:
         for request in requests:
             sink = TritonResponseSink(request)
             try:
-                job = wire.parse_request(_read_inputs(request), _read_parameters(request))
+                parameters = _read_parameters(request)
+                if self.fault_injection and parameters.get(wire.DEBUG) == FAIL_ENGINE_LOOP:
+                    self.loop.inject_fault("fault injected by a debug request")
+                    sink.send_error("fault injected: the engine loop will die")
+                    continue
+                job = wire.parse_request(_read_inputs(request), parameters)
             except wire.InputError as exc:
                 sink.send_error(str(exc))
                 continue
@@ -166,3 +265,7 @@ class TritonPythonModel:
         if loop is not None:
             loop.stop()
             self.logger.log_info("radixlm: engine loop stopped")
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()  # the metrics before their families
+            self.metrics = None
+            self.metric_factory.close()

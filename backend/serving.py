@@ -6,6 +6,12 @@ engine. One background thread owns ``engine.step()``: it routes every StepOutput
 sink, polls sinks for client cancellation between steps (at most every ``cancel_poll_s``:
 each poll costs an IPC round trip per pending request) and aborts cancelled requests in
 the engine, and answers debug ``stats`` jobs between steps, when no forward pass runs.
+It also hands finished outputs and (time-gated) stats samples to an optional metrics
+recorder (``backend.metrics.EngineMetrics``).
+
+If the thread itself dies (an exception outside a step, which step errors are not), every
+pending request gets an error, later ones are refused with the reason, ``failure`` holds
+it and ``on_death`` is called once: the model then reports itself unusable.
 
 Response rules:
   * streaming: one response per step per sample with only the new output; the
@@ -68,12 +74,18 @@ class EngineLoop:
     def __init__(self, engine, idle_wait_s: float = 0.05, cancel_poll_s: float = 0.1,
                  on_error: Callable[[str], None] | None = None,
                  on_info: Callable[[str], None] | None = None,
-                 server_stopping: Callable[[], bool] | None = None) -> None:
+                 server_stopping: Callable[[], bool] | None = None,
+                 metrics: Any = None,
+                 on_death: Callable[[str], None] | None = None) -> None:
         """``server_stopping``, polled while requests are pending, says the server has
         begun to shut down: pending requests are then aborted so that each gets its final
         response (tritonserver only unloads the model, and so calls ``finalize``, once
         every response sender has sent its final flag)."""
         self.engine = engine
+        self._metrics = metrics
+        self._on_death = on_death
+        self.failure: str | None = None  # why the loop thread died, once it has
+        self._fault: str | None = None
         self._idle_wait_s = idle_wait_s
         self._cancel_poll_s = cancel_poll_s
         self._server_stopping = server_stopping
@@ -94,6 +106,10 @@ class EngineLoop:
 
     # -- called from Triton's execute thread
     def submit(self, job: wire.Job, sink: ResponseSink) -> None:
+        if self.failure is not None:
+            _safe(sink.send_error, f"the engine is not running ({self.failure}); "
+                                   "the model is unavailable")
+            return
         if self._stopping.is_set():
             _safe(sink.send_error, "the model is shutting down")
             return
@@ -118,6 +134,12 @@ class EngineLoop:
             with self._lock:
                 self._active.pop(rid, None)
             _safe(sink.send_error, str(exc))
+            return
+        if self.failure is not None:  # the loop died meanwhile, maybe after failing all
+            with self._lock:
+                missed = self._active.pop(rid, None)
+            if missed is not None:
+                _safe(sink.send_error, f"the engine loop died ({self.failure})")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort what is pending, send each request its final response, end the thread."""
@@ -125,10 +147,26 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def inject_fault(self, message: str) -> None:
+        """Make the loop thread raise ``message`` (fault-injection tests of the death path)."""
+        self._fault = message
+
     # -- the loop thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, the loop is gone
+            self._die(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            return
+        self._drain()
+
+    def _loop(self) -> None:
         last_poll = 0.0
         while not self._stopping.is_set():
+            if self._fault is not None:
+                raise RuntimeError(self._fault)
+            if self._metrics is not None:
+                _safe(self._metrics.sample, self.engine)
             self._answer_stats()
             now = time.monotonic()
             if now - last_poll >= self._cancel_poll_s:
@@ -141,7 +179,19 @@ class EngineLoop:
                 self.engine.wait_for_work(self._idle_wait_s)
                 continue
             self._step()
-        self._drain()
+
+    def _die(self, reason: str, details: str) -> None:
+        self.failure = reason
+        self._on_error(f"radixlm: the engine loop died: {reason}\n{details}")
+        self._fail_all(f"the engine loop died ({reason})")
+        while True:
+            try:
+                sink = self._stats_sinks.get_nowait()
+            except queue.Empty:
+                break
+            _safe(sink.send_error, f"the engine loop died ({reason})")
+        if self._on_death is not None:
+            _safe(self._on_death, reason)
 
     def _step(self) -> None:
         try:
@@ -150,6 +200,8 @@ class EngineLoop:
             self._on_error("engine step failed:\n" + traceback.format_exc())
             self._fail_all(f"engine error: {exc}")
             return
+        if self._metrics is not None and outputs:
+            _safe(self._metrics.observe_outputs, outputs)
         for out in outputs:
             try:
                 self._route(out)
@@ -276,10 +328,11 @@ class EngineLoop:
 
 
 def _safe(fn: Callable, *args, default: Any = None, ok: Any = None) -> Any:
-    """Call a sink method; a client that went away must not take the loop down."""
+    """Call a sink (or metrics) method; a client that went away must not take the loop
+    down."""
     try:
         result = fn(*args)
         return ok if ok is not None else result
     except Exception as exc:
-        log.warning("response sink call failed: %s", exc)
+        log.warning("%s failed: %s", getattr(fn, "__qualname__", "a sink call"), exc)
         return default
