@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from backend.core.detokenizer import decode_window
+from backend.core.special_tokens import eos_token_ids  # noqa: F401  (re-exported)
 from backend.wire import PROJECT_ROOT, resolve_path
 
 
@@ -58,19 +59,6 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer  # as backend.core.engine loads it
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
-    """The ids the engine treats as end of sequence: generation_config.json's
-    ``eos_token_id`` (one or a list) plus the tokenizer's (backend.core.engine._eos_ids)."""
-    ids: set[int] = set()
-    config = Path(model_dir) / "generation_config.json"
-    if config.exists():
-        eos = json.loads(config.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(int(i) for i in ids)
 
 
 # ---- preprocessing ----------------------------------------------------------------------

@@ -5,8 +5,6 @@ thread (they post to an inbox); ``step`` must be called from one loop thread.
 """
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 import uuid
@@ -21,6 +19,7 @@ from .radix_cache import NoCache, RadixCache
 from .request import Req
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .special_tokens import eos_token_ids
 from .forward_step import ForwardStep, InFlight
 from .step_processor import StepProcessor
 
@@ -36,7 +35,7 @@ class Engine:
         pool = self.runner.kv_pool
         self.cache = RadixCache(pool) if config.enable_radix_cache else NoCache(pool)
         self.scheduler = Scheduler(config, pool, self.runner.req_pool, self.cache, self.context_len)
-        self.eos_token_ids = _eos_ids(config.model_path, self.tokenizer)
+        self.eos_token_ids = set(eos_token_ids(config.model_path, self.tokenizer))
         self.processor = StepProcessor(self)
         self.forward_step = ForwardStep(self)
         self._inflight: InFlight | None = None
@@ -274,8 +273,8 @@ class Engine:
             "num_waiting": len(self.scheduler.waiting),
             "kv_tokens_total": pool.size,
             "kv_tokens_used": pool.size - pool.available_size(),
-            "kv_tokens_in_use_by_requests": len(self.scheduler.owned_slots())
-            + self.cache.protected_size,
+            "kv_tokens_in_use_by_requests": self.cache.protected_size + sum(
+                r.num_computed - r.prefix_len for r in self.scheduler.running),
             "radix_cache_tokens": self.cache.total_size(),
             "num_retractions": self.scheduler.num_retractions,
             **self.counters,
@@ -305,18 +304,6 @@ def _as_params(p) -> SamplingParams:
         p.validate()
         return p
     raise ValueError(f"sampling params must be SamplingParams or dict, not {type(p).__name__}")
-
-
-def _eos_ids(model_path: str, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    path = os.path.join(model_path, "generation_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
