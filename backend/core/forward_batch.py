@@ -39,8 +39,6 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
     is_decode: bool  # every request has exactly one new token
-    # set by the runner when replaying a CUDA graph padded past the real batch
-    num_padded: int = 0
     extra: dict = field(default_factory=dict)
 
     @property

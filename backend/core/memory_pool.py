@@ -61,9 +61,6 @@ class KVPool:
     def available_size(self) -> int:
         return len(self._free)
 
-    def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def alloc(self, n: int) -> list[int] | None:
         """``n`` free slots, or None (and nothing taken) when fewer are free."""
         if n > len(self._free):
