@@ -293,3 +293,15 @@ def test_jump_forward_falls_back_when_tokenizer_does_not_round_trip(backend, tok
     drop, new = backend.jump_forward(state, [])
     assert drop == 0 and new and '{"name": "'.startswith(tok.decode(new))
     assert state.num_tokens == len(new)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_length_bounded_strings_hold_no_raw_control_characters(backend, tok, seed):
+    """JSON forbids raw control characters in strings; bounded strings must not admit them
+    (xgrammar's own conversion does), so a strict parser accepts every output."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 12}},
+              "required": ["s"]}
+    state = backend.create_state(_compile(backend, "json_schema", json.dumps(schema)))
+    text = tok.decode(_decode(backend, state, seed))
+    assert not any(ord(c) < 0x20 for c in text), repr(text)
+    assert len(json.loads(text)["s"]) <= 12

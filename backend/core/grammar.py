@@ -38,6 +38,9 @@ KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices")
 # is false: "); strip it so clients see only the reason.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", re.S)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the character class of xgrammar's length-bounded JSON strings, and the JSON-legal one
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
 _EBNF_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -244,7 +247,11 @@ class GrammarBackend:
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"not valid JSON: {exc}") from None
                 # No free whitespace: with it a weak model can emit spaces forever.
-                return self._compiler.compile_json_schema(text, any_whitespace=False)
+                ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False))
+                # xgrammar 0.2.9 lets length-bounded strings hold raw control characters,
+                # which JSON forbids (strict parsers reject the output): exclude them.
+                return self._compiler.compile_grammar(
+                    ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
             if kind == "json_object":
                 return self._compiler.compile_builtin_json_grammar()
             if kind == "regex":
