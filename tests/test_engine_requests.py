@@ -172,3 +172,15 @@ def test_warm_up_touches_only_the_dummy_slot_and_row(engine):
     engine.cache.reset()
     after = engine.generate([[11, 12, 13, 14]], SamplingParams(max_new_tokens=5, **GREEDY))[0]
     assert after.token_ids == before.token_ids
+
+
+def test_a_request_id_in_use_is_rejected_until_it_finishes(engine):
+    engine.add_request("hello", SamplingParams(max_new_tokens=2, **GREEDY), request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("hello", SamplingParams(max_new_tokens=2, **GREEDY), request_id="dup")
+    while engine.has_work():
+        engine.step()
+    assert engine.add_request("again", SamplingParams(max_new_tokens=1, **GREEDY), request_id="dup") == "dup"
+    while engine.has_work():
+        engine.step()
+    engine.check_integrity()

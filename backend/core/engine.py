@@ -44,6 +44,7 @@ class Engine:
         self._inbox_lock = threading.Lock()
         self._work = threading.Event()
         self._groups: dict[str, list[Req]] = {}  # caller's id -> its samples / choices
+        self._live_ids: set[str] = set()  # ids submitted and not yet finished
         self._score_choices: dict[str, list[str]] = {}
         self.counters = {"prompt_tokens": 0, "cache_hit_tokens": 0, "generated_tokens": 0,
                          "finished_requests": 0, "steps": 0, "schedule_seconds": 0.0}
@@ -129,6 +130,10 @@ class Engine:
 
     def _post(self, msg) -> None:
         with self._inbox_lock:
+            if msg[0] == "add":
+                if msg[1] in self._live_ids:
+                    raise ValueError(f"request id {msg[1]!r} is already in use")
+                self._live_ids.add(msg[1])
             self._inbox.append(msg)
         self._work.set()
 
@@ -223,6 +228,8 @@ class Engine:
     def _forget(self, gid: str) -> None:
         self._groups.pop(gid, None)
         self._score_choices.pop(gid, None)
+        with self._inbox_lock:
+            self._live_ids.discard(gid)
 
     def score_output(self, gid: str) -> StepOutput | None:
         """Called when a choice finishes: the group's answer once all choices are done."""

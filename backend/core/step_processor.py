@@ -1,21 +1,20 @@
-"""One engine step's work around the forward pass: batch assembly from the scheduled
-items, sampling, and the bookkeeping of new tokens (finish checks, text, caching)."""
+"""The host side of a step's results: the bookkeeping of new tokens (finish checks, stop
+strings, text, grammar and jump-forward, radix-cache inserts) and the outputs it yields.
+Batch assembly, forward and sampling live in ``forward_step.py``."""
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
 
-
 from .detokenizer import STATELESS_CONTEXT_IDS
+from .forward_step import InFlight
 from .output_processor import TextState
 from .outputs import RequestOutput, StepOutput, TokenLogprob
 from .request import Req
-from .forward_step import InFlight
 from .scheduler import ScheduledItem
 
 if TYPE_CHECKING:
     from .engine import Engine
-
 
 
 class StepProcessor:
