@@ -145,6 +145,27 @@ def _ready(url: str) -> bool:
         return False
 
 
+def _start_long_stream(client) -> queue.Queue:
+    """A greedy stream of up to 3000 tokens that is still running when the test acts;
+    its responses and errors arrive on the returned queue."""
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result=None, error=None: events.put((result, error)))
+
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    params = {"temperature": 0, "max_tokens": 3000, "ignore_eos": True}
+    client.async_stream_infer(SERVED_MODEL, [
+        tensor("text_input", np.array([b"Tell me a long story."], dtype=np.object_), "BYTES"),
+        tensor("stream", np.array([True]), "BOOL"),
+        tensor("sampling_parameters", np.array([json.dumps(params).encode()],
+                                               dtype=np.object_), "BYTES")],
+        request_id="in-flight")
+    return events
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_when_the_engine_loop_dies_the_server_stops_being_ready_and_exits(tmp_path,
@@ -154,21 +175,7 @@ def test_when_the_engine_loop_dies_the_server_stops_being_ready_and_exits(tmp_pa
                           ("--model-control-mode=explicit", f"--load-model={SERVED_MODEL}"))
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        events: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result=None, error=None: events.put((result, error)))
-
-        def tensor(name, array, dtype):
-            t = grpcclient.InferInput(name, list(array.shape), dtype)
-            t.set_data_from_numpy(array)
-            return t
-
-        params = {"temperature": 0, "max_tokens": 3000, "ignore_eos": True}
-        client.async_stream_infer(SERVED_MODEL, [
-            tensor("text_input", np.array([b"Tell me a long story."], dtype=np.object_), "BYTES"),
-            tensor("stream", np.array([True]), "BOOL"),
-            tensor("sampling_parameters", np.array([json.dumps(params).encode()],
-                                                   dtype=np.object_), "BYTES")],
-            request_id="in-flight")
+        events = _start_long_stream(client)
         assert events.get(timeout=60)[1] is None  # streaming
         ready = f"http://{server.http_url}/v2/health/ready"
         assert _ready(ready)
@@ -211,21 +218,7 @@ def test_sigterm_to_tritonserver_alone_ends_in_flight_streams_and_exits(tmp_path
                           ("--model-control-mode=explicit", f"--load-model={SERVED_MODEL}"))
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        events: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result=None, error=None: events.put((result, error)))
-
-        def tensor(name, array, dtype):
-            t = grpcclient.InferInput(name, list(array.shape), dtype)
-            t.set_data_from_numpy(array)
-            return t
-
-        params = {"temperature": 0, "max_tokens": 3000, "ignore_eos": True}
-        client.async_stream_infer(SERVED_MODEL, [
-            tensor("text_input", np.array([b"Tell me a long story."], dtype=np.object_), "BYTES"),
-            tensor("stream", np.array([True]), "BOOL"),
-            tensor("sampling_parameters", np.array([json.dumps(params).encode()],
-                                                   dtype=np.object_), "BYTES")],
-            request_id="in-flight")
+        events = _start_long_stream(client)
         assert events.get(timeout=60)[1] is None
         signalled = time.monotonic()
         os.kill(server.process.pid, signal.SIGTERM)  # tritonserver's pid, not its group
