@@ -54,6 +54,7 @@ class _Sample:
     logprobs: list = field(default_factory=list)
     context_ids: list[int] | None = None  # of the first output: what precedes it
     sent_first: bool = False
+    final: object = None  # the sample's last StepOutput (finish reason, counts)
 
 
 @dataclass
@@ -281,10 +282,15 @@ class EngineLoop:
         sample.token_ids.extend(out.new_token_ids)
         sample.logprobs.extend(out.logprobs or [])
         if out.finished:
-            payload = self._generation_payload(tracked, out, sample, "".join(sample.text),
-                                               sample.token_ids, sample.context_ids,
-                                               sample.logprobs)
-            self._send(out.request_id, tracked, payload, done)
+            sample.final = out
+        if not done:
+            return
+        # a non-streamed request gets one response: with n > 1 samples, one entry per
+        # sample in index order (output_ids concatenated, split by num_output_tokens)
+        payloads = [self._generation_payload(tracked, s.final, s, "".join(s.text), s.token_ids,
+                                             s.context_ids, s.logprobs)
+                    for _, s in sorted(tracked.samples.items())]
+        self._send(out.request_id, tracked, wire.merge_samples(payloads), True)
 
     def _generation_payload(self, tracked: _Tracked, out, sample: _Sample, text: str,
                             token_ids: list[int], context_ids: list[int], logprobs: list):

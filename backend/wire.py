@@ -305,6 +305,20 @@ def generation_outputs(*, text: str, token_ids: list[int], context_ids: list[int
     return outputs
 
 
+def merge_samples(payloads: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One response for several samples: every output concatenated in sample order
+    (text_output, finish_reason, index, counts: one entry per sample; output_ids and
+    context_ids: the samples' ids back to back, num_output_tokens tells where each ends;
+    logprobs: a JSON list with one list per sample)."""
+    if len(payloads) == 1:
+        return payloads[0]
+    merged = {name: np.concatenate([p[name] for p in payloads])
+              for name in payloads[0] if name != LOGPROBS}
+    if LOGPROBS in payloads[0]:
+        merged[LOGPROBS] = _bytes(json.dumps([json.loads(p[LOGPROBS][0]) for p in payloads]))
+    return merged
+
+
 def score_outputs(choice_scores: list, num_input_tokens: int,
                   num_cached_tokens: int) -> dict[str, np.ndarray]:
     scores = [{"choice": s.choice, "logprob_sum": s.logprob_sum, "num_tokens": s.num_tokens,

@@ -36,6 +36,24 @@ def test_n_samples_stream_with_an_index(stream):
     assert [p["final"] for p in pieces].count(True) == 1 and pieces[-1]["final"]
 
 
+def test_n_samples_without_streaming_come_in_one_response(stream, reference_engine):
+    params = {"temperature": 1.0, "seed": 7, "max_tokens": 4, "n": 3, "ignore_eos": True}
+    stream.send("three", grpc_inputs("Pick a number:", params, stream=False))
+    result, error = stream.events.get(timeout=60)
+    assert error is None
+    assert result.get_response().parameters["triton_final_response"].bool_param
+    texts = [t.decode() for t in result.as_numpy("text_output")]
+    ids = [int(i) for i in result.as_numpy("output_ids")]
+    counts = [int(n) for n in result.as_numpy("num_output_tokens")]
+    assert [int(i) for i in result.as_numpy("index")] == [0, 1, 2]
+    assert counts == [4, 4, 4] and len(ids) == 12
+    assert [f.decode() for f in result.as_numpy("finish_reason")] == ["length"] * 3
+    # the same samples as the engine draws in-process for the same seed
+    want = reference_engine.generate(["Pick a number:"], params)[0].samples
+    assert [ids[4 * i:4 * i + 4] for i in range(3)] == [s.token_ids for s in want]
+    assert texts == [s.text for s in want]
+
+
 def test_choices_are_scored_in_one_response(stream):
     choices = grpcclient.InferInput("choices", [1], "BYTES")
     choices.set_data_from_numpy(np.array([b'["Paris", "a banana"]'], dtype=np.object_))
