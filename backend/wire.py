@@ -307,13 +307,15 @@ def generation_outputs(*, text: str, token_ids: list[int], context_ids: list[int
 
 def merge_samples(payloads: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """One response for several samples: every output concatenated in sample order
-    (text_output, finish_reason, index, counts: one entry per sample; output_ids and
-    context_ids: the samples' ids back to back, num_output_tokens tells where each ends;
+    (text_output, finish_reason, index, counts: one entry per sample; output_ids: the
+    samples' ids back to back, num_output_tokens tells where each ends; context_ids: the
+    ids before every sample's first output, i.e. the prompt's tail, shared by all;
     logprobs: a JSON list with one list per sample)."""
     if len(payloads) == 1:
         return payloads[0]
     merged = {name: np.concatenate([p[name] for p in payloads])
-              for name in payloads[0] if name != LOGPROBS}
+              for name in payloads[0] if name not in (LOGPROBS, CONTEXT_IDS)}
+    merged[CONTEXT_IDS] = payloads[0][CONTEXT_IDS]  # the prompt's tail: the same for all
     if LOGPROBS in payloads[0]:
         merged[LOGPROBS] = _bytes(json.dumps([json.loads(p[LOGPROBS][0]) for p in payloads]))
     return merged

@@ -37,12 +37,11 @@ def _array(request, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def _string(request, name: str) -> str | None:
+def _strings(request, name: str) -> list[str]:
     array = _array(request, name)
-    if array is None or array.size == 0:
-        return None
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    if array is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
 
 
 def _ids(request, name: str) -> list[int]:
@@ -75,16 +74,23 @@ class TritonPythonModel:
 
     def _respond(self, request):
         try:
-            finish_reason = _string(request, "llm_finish_reason") or ""
+            # one entry per sample (n > 1 non-streamed answers arrive as one response whose
+            # output_ids are the samples' ids back to back, split by num_output_tokens)
+            reasons = _strings(request, "llm_finish_reason") or [""]
+            engine_texts = _strings(request, "llm_text_output") or [None] * len(reasons)
             options = textproc.TextOptions.from_parameters(_parameters(request),
                                                            self.skip_special_tokens)
-            text = textproc.response_text(
-                self.tokenizer, self.eos_ids, _ids(request, "output_ids"),
-                _ids(request, "context_ids"), finish_reason, options,
-                engine_text=_string(request, "llm_text_output"))
-            outputs = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")],
+            ids, context = _ids(request, "output_ids"), _ids(request, "context_ids")
+            counts = _ids(request, "llm_num_output_tokens") if len(reasons) > 1 else [len(ids)]
+            texts, start = [], 0
+            for reason, count, engine_text in zip(reasons, counts, engine_texts):
+                texts.append(textproc.response_text(
+                    self.tokenizer, self.eos_ids, ids[start:start + count], context, reason,
+                    options, engine_text=engine_text))
+                start += count
+            outputs = [pb_utils.Tensor("text_output", np.array([t.encode("utf-8") for t in texts],
                                                                dtype=np.object_)),
-                       pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()],
+                       pb_utils.Tensor("finish_reason", np.array([r.encode() for r in reasons],
                                                                  dtype=np.object_))]
             for source, name in _PASSED_THROUGH:
                 array = _array(request, source)

@@ -226,3 +226,16 @@ def test_stop_strings_given_as_request_parameters_cut_the_text_as_the_engine_doe
     cut = free[:free.index(stop)]
     assert text(got["ens-True"]) == text(got["ens-False"]) == text(got["llm-False"]) == cut
     assert got["ens-True"][-1]["finish_reason"] == "stop"
+
+
+def test_n_samples_without_streaming_decode_each_sample(client, reference_engine):
+    """A non-streamed n > 1 answer is one engine response with the samples' ids back to
+    back: postprocessing splits them and decodes each, as the engine does."""
+    params = {"temperature": 1.0, "seed": 5, "max_tokens": 6, "n": 3, "ignore_eos": True}
+    client.send(ENSEMBLE, "n3", ensemble_inputs("Xin chào", False, params))
+    result, error = client.events.get(timeout=120)
+    assert error is None
+    texts = [t.decode("utf-8") for t in result.as_numpy("text_output")]
+    want = reference_engine.generate(["Xin chào"], params)[0].samples
+    assert texts == [s.text for s in want]
+    assert [f.decode() for f in result.as_numpy("finish_reason")] == ["length"] * 3
