@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 from .config import EngineConfig
 from .outputs import ChoiceScore, RequestOutput, StepOutput
 from .model_runner import ModelRunner
-from .radix_cache import NoCache, RadixCache
+from .radix_cache import NoCache, RadixCache, common_prefix_len
 from .request import Req
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -81,7 +81,7 @@ class Engine:
             full = self.tokenizer.encode(text + choice, add_special_tokens=False) if isinstance(prompt, str) \
                 else prefix + self.tokenizer.encode(choice, add_special_tokens=False)
             # the choice starts where its tokenization leaves the prompt's
-            start = _common_prefix_len(prefix, full)
+            start = common_prefix_len(prefix, full)
             start = max(min(start, len(full) - 1), 1)
             self._check_fits(full)
             params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs_start=start)
@@ -311,10 +311,3 @@ def _as_params(p) -> SamplingParams:
         p.validate()
         return p
     raise ValueError(f"sampling params must be SamplingParams or dict, not {type(p).__name__}")
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n

@@ -69,7 +69,7 @@ class RadixCache:
             child = node.children.get(token_ids[i])
             if child is None:
                 break
-            n = _common_len(child.key, token_ids, i)
+            n = common_prefix_len(child.key, token_ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
             matched.extend(child.value)
@@ -92,7 +92,7 @@ class RadixCache:
                 node.children[token_ids[i]] = leaf
                 self.evictable_size += len(leaf.key)
                 return i
-            n = _common_len(child.key, token_ids, i)
+            n = common_prefix_len(child.key, token_ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = next(_clock)
@@ -204,7 +204,8 @@ class NoCache(RadixCache):
         return len(token_ids)  # "all present": the caller frees every slot it passed
 
 
-def _common_len(key: list[int], token_ids: list[int], start: int) -> int:
+def common_prefix_len(key: list[int], token_ids: list[int], start: int = 0) -> int:
+    """How many leading tokens of ``key`` equal ``token_ids[start:]``."""
     n = min(len(key), len(token_ids) - start)
     i = 0
     while i < n and key[i] == token_ids[start + i]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .memory_pool import KVPool, ReqToTokenPool
-from .radix_cache import RadixCache
+from .radix_cache import RadixCache, common_prefix_len
 from .request import Req, ReqStatus
 
 LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step costs too much
@@ -124,7 +124,7 @@ class Scheduler:
                 break
             match = self.cache.match_prefix(req.fill_ids[:req.max_match_len()])
             if self.cache.enabled and any(
-                    _common_len(req.fill_ids, other) - len(match.kv_indices) >= IN_BATCH_SHARE_MIN
+                    common_prefix_len(req.fill_ids, other) - len(match.kv_indices) >= IN_BATCH_SHARE_MIN
                     for other in admitted_prompts):
                 continue
             self.cache.lock(match.last_node)
@@ -252,14 +252,6 @@ def _will_finish(req: Req, context_len: int) -> bool:
     """Its last (possibly still in-flight) token reaches a length limit."""
     return len(req.output_ids) >= req.params.max_new_tokens or \
         len(req.origin_input_ids) + len(req.output_ids) >= context_len
-
-
-def _common_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _prompt_cached(req: Req) -> bool:
