@@ -130,11 +130,29 @@ class Server:
         except OSError:
             return False
 
+    def load_failure(self) -> str | None:
+        """The reason Triton gives for a model it failed to load (it keeps running with
+        --exit-on-error=false, so readiness alone would only time out)."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.http}/v2/repository/index",
+                                     data=b"{}", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                index = json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+        for entry in index:
+            if entry.get("state") == "UNAVAILABLE" and entry.get("reason"):
+                return f"{entry.get('name')}: {entry['reason']}"
+        return None
+
     def wait_ready(self, timeout_s: float) -> float:
         t = time.monotonic()
         while not self.ready():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.tail()}")
+            failure = self.load_failure()
+            if failure:
+                raise RuntimeError(f"tritonserver failed to load {failure[:2000]}")
             if time.monotonic() - t > timeout_s:
                 raise RuntimeError(f"tritonserver not ready after {timeout_s:.0f}s:\n{self.tail()}")
             time.sleep(0.5)

@@ -84,9 +84,11 @@ _radixlm_bench_setup() {
     # The GPU image's scipy and scikit-learn are built for numpy 2; under the stub's
     # numpy 1.26 transformers' import of them fails and takes AutoTokenizer down with it
     # (seen 2026-11-30). A None entry in sys.modules makes find_spec report them absent,
-    # so transformers never imports them. (Not yet verified on the GPU machine.)
-    printf 'import sys\nfor _name in ("scipy", "sklearn"):\n    sys.modules.setdefault(_name, None)\n' \
-      > "$sp/sitecustomize.py"
+    # so transformers never imports them. A .pth "import" line, not sitecustomize.py: the
+    # system Python's own sitecustomize (Debian/Ubuntu) comes first on sys.path.
+    rm -f "$sp/sitecustomize.py"
+    printf 'import sys; sys.modules.setdefault("scipy", None); sys.modules.setdefault("sklearn", None)\n' \
+      > "$sp/radixlm_hide_numpy2_builds.pth"
     purelib="$("$BENCH_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     printf '%s\n' "$root" "$tmp/site" "$tmp/tritonserver" "$purelib" > "$sp/radixlm_bench.pth"
     export RADIXLM_SERVER_PYTHON="$tmp/v/bin/python3"
