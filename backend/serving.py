@@ -2,25 +2,33 @@
 
 ``model.py`` turns each Triton request into a job (``wire.parse_request``) and a
 ``ResponseSink`` (its response sender); ``EngineLoop.submit`` hands the job to the
-engine. One background thread owns ``engine.step()``: it routes every StepOutput to its
-sink, polls sinks for client cancellation between steps (at most every ``cancel_poll_s``:
-each poll costs an IPC round trip per pending request) and aborts cancelled requests in
-the engine, and answers debug ``stats`` jobs between steps, when no forward pass runs.
-It also hands finished outputs and (time-gated) stats samples to an optional metrics
+engine. One background thread owns ``engine.step()`` and routes every StepOutput to its
+request; it also answers debug ``stats`` jobs between steps, when no forward pass runs,
+and hands finished outputs and (time-gated) stats samples to an optional metrics
 recorder (``backend.metrics.EngineMetrics``).
 
-If the thread itself dies (an exception outside a step, which step errors are not), every
-pending request gets an error, later ones are refused with the reason, ``failure`` holds
-it and ``on_death`` is called once: the model then reports itself unusable.
+Responses leave through an outbox, not from the engine thread: a Triton send is an IPC
+round trip to the server process (it releases the GIL while it waits), and 128 streams
+sending one token each per step would otherwise stall the GPU for tens of milliseconds
+per step. Sender threads drain the outbox request by request, in order; streamed tokens
+that queued up while a send was in flight go out together in one response. A watcher
+thread polls the sinks for client cancellation (at most every ``cancel_poll_s``: each
+poll is an IPC round trip per pending request) and aborts cancelled requests.
+
+If the loop thread itself dies (an exception outside a step, which step errors are not),
+every pending request gets an error, later ones are refused with the reason, ``failure``
+holds it and ``on_death`` is called once: the model then reports itself unusable.
 
 Response rules:
-  * streaming: one response per step per sample with only the new output; the
-    request's last response carries ``final=True``;
-  * non-streaming: one response per sample with everything (n == 1: exactly one);
+  * streaming: each response carries the sample's output produced since its previous
+    response (one step's tokens when the senders keep up, several steps' when they do
+    not); the request's last response carries ``final=True``;
+  * non-streaming: one response with everything (n > 1: every sample, merged);
   * scoring and stats: exactly one response.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -67,6 +75,125 @@ class _Tracked:
     finished: set[int] = field(default_factory=set)
     cancelled: bool = False  # by the client: its final response is a CANCELLED error
     aborted: bool = False  # by the server shutting down: a final with finish_reason "abort"
+    # Once the final response is sent, Triton frees the request's response factory and
+    # any later call on the sink (an is_cancelled poll included) would touch freed
+    # memory: the final send and each poll hold io_lock, and ``closed`` ends the sink.
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+    def close_with(self, send: Callable[[], None]) -> None:
+        """Send the final response (or error), unless one was already sent."""
+        with self.io_lock:
+            if self.closed:
+                return
+            self.closed = True
+            _safe(send)
+
+
+@dataclass
+class _Delta:
+    """Streamed output of one sample, waiting in the outbox."""
+
+    tracked: _Tracked
+    sample: _Sample
+    out: Any  # the latest StepOutput (finish reason, counts)
+    text: list[str]
+    token_ids: list[int]
+    logprobs: list
+    context_ids: list[int]  # what precedes the first of token_ids
+    final: bool  # the request's last response
+
+    def absorb(self, later: "_Delta") -> None:
+        self.out = later.out
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.final = self.final or later.final
+
+
+class _Outbox:
+    """Per-request ordered queues of pending responses, drained by sender threads.
+
+    A request is handled by one sender at a time, so its responses keep their order.
+    Queued deltas of the same sample merge into one response; a callable item (a final
+    non-streamed response, an error) runs after everything queued before it."""
+
+    def __init__(self, deliver_delta: Callable[[_Delta], None], num_threads: int) -> None:
+        self._deliver_delta = deliver_delta
+        self._cv = threading.Condition()
+        self._queues: dict[str, list] = {}
+        self._ready: collections.deque[str] = collections.deque()
+        self._busy: set[str] = set()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"radixlm-sender-{i}", daemon=True)
+                         for i in range(num_threads)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def put(self, rid: str, item: _Delta | Callable[[], None]) -> None:
+        with self._cv:
+            queued = self._queues.get(rid)
+            if queued is None:
+                self._queues[rid] = [item]
+                if rid not in self._busy:
+                    self._ready.append(rid)
+                    self._cv.notify()
+            else:
+                queued.append(item)
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queues) + len(self._busy)
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is queued (up to ``timeout_s``), then stop the sender threads."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while (self._queues or self._busy) and time.monotonic() < deadline:
+                self._cv.wait(0.05)
+            self._closed = True
+            self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._ready and not self._closed:
+                    self._cv.wait()
+                if not self._ready:
+                    return
+                rid = self._ready.popleft()
+                items = self._queues.pop(rid)
+                self._busy.add(rid)
+            try:
+                self._deliver(items)
+            finally:
+                with self._cv:
+                    self._busy.discard(rid)
+                    if rid in self._queues:  # more arrived while sending
+                        self._ready.append(rid)
+                    self._cv.notify_all()
+
+    def _deliver(self, items: list) -> None:
+        merged: dict[int, _Delta] = {}
+        for item in items:
+            if isinstance(item, _Delta):
+                index = item.out.index
+                if index in merged:
+                    merged[index].absorb(item)
+                else:
+                    merged[index] = item
+                continue
+            self._flush(merged)
+            _safe(item)
+        self._flush(merged)
+
+    def _flush(self, merged: dict[int, _Delta]) -> None:
+        # the request's final response goes last
+        for delta in sorted(merged.values(), key=lambda d: d.final):
+            self._deliver_delta(delta)
+        merged.clear()
 
 
 class EngineLoop:
@@ -77,7 +204,8 @@ class EngineLoop:
                  on_info: Callable[[str], None] | None = None,
                  server_stopping: Callable[[], bool] | None = None,
                  metrics: Any = None,
-                 on_death: Callable[[str], None] | None = None) -> None:
+                 on_death: Callable[[str], None] | None = None,
+                 sender_threads: int = 4) -> None:
         """``server_stopping``, polled while requests are pending, says the server has
         begun to shut down: pending requests are then aborted so that each gets its final
         response (tritonserver only unloads the model, and so calls ``finalize``, once
@@ -97,9 +225,13 @@ class EngineLoop:
         self._stats_sinks: queue.SimpleQueue[ResponseSink] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixlm-engine-loop", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="radixlm-cancel-watch", daemon=True)
+        self._outbox = _Outbox(self._deliver_delta, sender_threads)
 
     def start(self) -> None:
+        self._outbox.start()
         self._thread.start()
+        self._watcher.start()
 
     def num_active(self) -> int:
         with self._lock:
@@ -134,19 +266,22 @@ class EngineLoop:
         except ValueError as exc:
             with self._lock:
                 self._active.pop(rid, None)
-            _safe(sink.send_error, str(exc))
+            tracked.close_with(lambda: sink.send_error(str(exc)))
             return
         if self.failure is not None:  # the loop died meanwhile, maybe after failing all
             with self._lock:
                 missed = self._active.pop(rid, None)
             if missed is not None:
-                _safe(sink.send_error, f"the engine loop died ({self.failure})")
+                reason = self.failure
+                tracked.close_with(lambda: sink.send_error(f"the engine loop died ({reason})"))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort what is pending, send each request its final response, end the thread."""
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._watcher.is_alive():
+            self._watcher.join(timeout_s)
 
     def inject_fault(self, message: str) -> None:
         """Make the loop thread raise ``message`` (fault-injection tests of the death path)."""
@@ -170,16 +305,20 @@ class EngineLoop:
                 _safe(self._metrics.sample, self.engine)
             self._answer_stats()
             now = time.monotonic()
-            if now - last_poll >= self._cancel_poll_s:
-                self._abort_cancelled()
-                if self._server_stopping is not None and self.num_active() \
-                        and _safe(self._server_stopping, default=False):
+            if self._server_stopping is not None and now - last_poll >= self._cancel_poll_s:
+                if self.num_active() and _safe(self._server_stopping, default=False):
                     self._abort_pending()
                 last_poll = now
             if not self.engine.has_work():
                 self.engine.wait_for_work(self._idle_wait_s)
                 continue
             self._step()
+
+    def _watch(self) -> None:
+        """Client cancellation, polled off the engine thread."""
+        while not self._stopping.wait(max(self._cancel_poll_s, 0.002)):
+            if self.failure is None:
+                self._abort_cancelled()
 
     def _die(self, reason: str, details: str) -> None:
         self.failure = reason
@@ -191,6 +330,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             _safe(sink.send_error, f"the engine loop died ({reason})")
+        self._outbox.close(10.0)
         if self._on_death is not None:
             _safe(self._on_death, reason)
 
@@ -228,7 +368,11 @@ class EngineLoop:
         with self._lock:
             candidates = [(rid, t) for rid, t in self._active.items() if not t.cancelled]
         for rid, tracked in candidates:
-            if _safe(tracked.sink.is_cancelled, default=True):
+            with tracked.io_lock:
+                if tracked.closed:
+                    continue
+                cancelled = _safe(tracked.sink.is_cancelled, default=True)
+            if cancelled:
                 tracked.cancelled = True
                 self.engine.abort(rid)
 
@@ -249,7 +393,7 @@ class EngineLoop:
         if tracked is None:
             return
         if getattr(out, "error", None):
-            self._finish(out.request_id, lambda: tracked.sink.send_error(out.error))
+            self._finish(out.request_id, tracked, lambda: tracked.sink.send_error(out.error))
             self.engine.abort(out.request_id)  # the other samples of this request, if any
             return
         if out.finished:
@@ -257,7 +401,7 @@ class EngineLoop:
         done = len(tracked.finished) >= tracked.num_samples
         if tracked.cancelled:
             if done:
-                self._finish(out.request_id,
+                self._finish(out.request_id, tracked,
                              lambda: tracked.sink.send_error("request cancelled", cancelled=True))
             return
         if isinstance(tracked.job, wire.ScoreJob):
@@ -266,17 +410,19 @@ class EngineLoop:
                                              out.num_prompt_tokens, out.num_cached_tokens)
                 payload[wire.FINISH_REASON] = np.array([(out.finish_reason or "stop").encode()],
                                                        dtype=np.object_)
-                self._finish(out.request_id, lambda: tracked.sink.send(payload, True))
+                self._finish(out.request_id, tracked, lambda: tracked.sink.send(payload, True))
             return
         sample = tracked.samples.setdefault(out.index, _Sample())
         if sample.context_ids is None:
             sample.context_ids = list(out.context_token_ids)
         if tracked.job.stream:
             if out.new_token_ids or out.new_text or out.finished:
-                payload = self._generation_payload(tracked, out, sample, out.new_text,
-                                                   out.new_token_ids, out.context_token_ids,
-                                                   out.logprobs or [])
-                self._send(out.request_id, tracked, payload, done)
+                if done:
+                    with self._lock:
+                        self._active.pop(out.request_id, None)
+                self._outbox.put(out.request_id, _Delta(
+                    tracked, sample, out, [out.new_text], list(out.new_token_ids),
+                    list(out.logprobs or []), list(out.context_token_ids), done))
             return
         sample.text.append(out.new_text)
         sample.token_ids.extend(out.new_token_ids)
@@ -290,7 +436,8 @@ class EngineLoop:
         payloads = [self._generation_payload(tracked, s.final, s, "".join(s.text), s.token_ids,
                                              s.context_ids, s.logprobs)
                     for _, s in sorted(tracked.samples.items())]
-        self._send(out.request_id, tracked, wire.merge_samples(payloads), True)
+        merged = wire.merge_samples(payloads)
+        self._finish(out.request_id, tracked, lambda: tracked.sink.send(merged, True))
 
     def _generation_payload(self, tracked: _Tracked, out, sample: _Sample, text: str,
                             token_ids: list[int], context_ids: list[int], logprobs: list):
@@ -304,24 +451,35 @@ class EngineLoop:
             num_cached_tokens=out.num_cached_tokens, index=out.index,
             logprobs=logprobs if tracked.job.params.logprobs else None)
 
-    def _send(self, rid: str, tracked: _Tracked, payload, final: bool) -> None:
-        if final:
-            self._finish(rid, lambda: tracked.sink.send(payload, True))
-        elif not _safe(tracked.sink.send, payload, False, default=False, ok=True):
+    def _deliver_delta(self, delta: _Delta) -> None:
+        """On a sender thread: one streamed response (several steps' output, merged)."""
+        tracked = delta.tracked
+        if tracked.cancelled and not delta.final:
+            return  # its cancelled final follows
+        payload = self._generation_payload(tracked, delta.out, delta.sample, "".join(delta.text),
+                                           delta.token_ids, delta.context_ids, delta.logprobs)
+        if delta.final:
+            tracked.close_with(lambda: tracked.sink.send(payload, True))
+            return
+        with tracked.io_lock:
+            if tracked.closed:
+                return
+            sent = _safe(tracked.sink.send, payload, False, default=False, ok=True)
+        if not sent:
             tracked.cancelled = True  # the client is gone: stop generating for it
-            self.engine.abort(rid)
+            self.engine.abort(delta.out.request_id)
 
-    def _finish(self, rid: str, send: Callable[[], None]) -> None:
+    def _finish(self, rid: str, tracked: _Tracked, send: Callable[[], None]) -> None:
         with self._lock:
             self._active.pop(rid, None)
-        _safe(send)
+        self._outbox.put(rid, lambda: tracked.close_with(send))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             failed, self._active = self._active, {}
         for rid, tracked in failed.items():
             self.engine.abort(rid)
-            _safe(tracked.sink.send_error, message)
+            self._outbox.put(rid, lambda t=tracked: t.close_with(lambda: t.sink.send_error(message)))
 
     def _drain(self, budget_s: float = 10.0) -> None:
         """Shutdown: abort everything and step until the engine has sent the aborts."""
@@ -331,6 +489,7 @@ class EngineLoop:
             self._step()
         self._fail_all("the model is shutting down")
         self._answer_stats()
+        self._outbox.close(max(1.0, deadline - time.monotonic()))
 
 
 def _safe(fn: Callable, *args, default: Any = None, ok: Any = None) -> Any:

@@ -94,17 +94,22 @@ class RecordingSink:
         self.errors: list[tuple[str, bool]] = []
         self.cancelled = False
         self.closed = threading.Event()
+        self.calls_after_final = 0  # Triton frees a request's sender at its final response
 
     def send(self, outputs, final):
+        self.calls_after_final += self.closed.is_set()
         self.responses.append((outputs, final))
         if final:
             self.closed.set()
 
     def send_error(self, message, cancelled=False):
+        self.calls_after_final += self.closed.is_set()
         self.errors.append((message, cancelled))
         self.closed.set()
 
     def is_cancelled(self):
+        self.calls_after_final += self.closed.is_set()
+        time.sleep(0.0002)  # an IPC round trip: the final may be sent meanwhile
         return self.cancelled
 
     def texts(self):
@@ -124,17 +129,86 @@ def generate(prompt="hi", stream=True, prepend=False, **params):
     return wire.GenerateJob(prompt, SamplingParams(**params), stream, prepend)
 
 
-def test_streaming_sends_each_step_once_and_flags_only_the_last(loop):
+def ids_of(sink, index=None):
+    return [i for o, _ in sink.responses if index is None or int(o[wire.INDEX][0]) == index
+            for i in o[wire.OUTPUT_IDS]]
+
+
+def test_streaming_sends_every_token_once_and_flags_only_the_last(loop):
     sink = RecordingSink()
     loop.submit(generate(max_new_tokens=3), sink)
     assert sink.closed.wait(5)
-    assert sink.texts() == ["1 ", "2 ", "3 "]
-    assert [final for _, final in sink.responses] == [False, False, True]
+    assert "".join(sink.texts()) == "1 2 3 "
+    assert ids_of(sink) == [1, 2, 3]
+    assert [final for _, final in sink.responses][-1] is True
+    assert not any(final for _, final in sink.responses[:-1])
     last = sink.responses[-1][0]
     assert last[wire.FINISH_REASON][0] == b"length" and last[wire.NUM_OUTPUT_TOKENS][0] == 3
-    assert [list(o[wire.OUTPUT_IDS]) for o, _ in sink.responses] == [[1], [2], [3]]
-    assert list(sink.responses[1][0][wire.CONTEXT_IDS]) == [1]
+    for out, _ in sink.responses:  # context: the id just before the response's first id
+        assert list(out[wire.CONTEXT_IDS]) == [out[wire.OUTPUT_IDS][0] - 1]
     assert loop.num_active() == 0
+
+
+class SlowSink(RecordingSink):
+    """A response sender that takes ``delay_s`` per send (an IPC round trip, slowed down)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def send(self, outputs, final):
+        time.sleep(self.delay_s)
+        super().send(outputs, final)
+
+
+def test_a_slow_sender_gets_the_tokens_of_several_steps_per_response():
+    engine = ScriptedEngine()
+    loop = EngineLoop(engine, idle_wait_s=0.005, cancel_poll_s=0.0)
+    loop.start()
+    try:
+        sink = SlowSink(0.03)
+        loop.submit(generate(max_new_tokens=40), sink)  # 40 steps of 2 ms: about 80 ms
+        assert sink.closed.wait(10)
+        assert ids_of(sink) == list(range(1, 41))
+        assert "".join(sink.texts()) == "".join(f"{k} " for k in range(1, 41))
+        assert len(sink.responses) < 20  # one send per step would take 40 x 30 ms
+        assert [final for _, final in sink.responses].count(True) == 1 and sink.responses[-1][1]
+        assert sink.responses[-1][0][wire.NUM_OUTPUT_TOKENS][0] == 40
+    finally:
+        loop.stop(timeout_s=5)
+
+
+def test_a_blocked_sender_does_not_hold_up_the_engine_or_other_requests(loop):
+    release = threading.Event()
+
+    class BlockedSink(RecordingSink):
+        def send(self, outputs, final):
+            release.wait(10)
+            super().send(outputs, final)
+
+    blocked, other = BlockedSink(), RecordingSink()
+    loop.submit(generate(max_new_tokens=5), blocked)
+    loop.submit(generate(max_new_tokens=5), other)
+    try:
+        assert other.closed.wait(5) and ids_of(other) == [1, 2, 3, 4, 5]
+        deadline = time.monotonic() + 5
+        while loop.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not loop.engine.has_work()  # the engine finished both while one send hung
+        assert not blocked.closed.is_set()
+    finally:
+        release.set()
+    assert blocked.closed.wait(5) and ids_of(blocked) == [1, 2, 3, 4, 5]
+
+
+def test_no_sink_is_touched_after_its_final_response_while_cancellation_is_polled(loop):
+    sinks = [RecordingSink() for _ in range(300)]
+    for i, sink in enumerate(sinks):
+        loop.submit(generate(max_new_tokens=1 + i % 3, stream=i % 2 == 0), sink)
+    assert all(sink.closed.wait(10) for sink in sinks)
+    time.sleep(0.05)  # let the cancellation watcher make a few more rounds
+    assert sum(sink.calls_after_final for sink in sinks) == 0
+    assert all(len([1 for _, final in sink.responses if final]) == 1 for sink in sinks)
 
 
 def test_non_streaming_sends_one_response_with_everything_and_the_prompt(loop):
@@ -171,9 +245,8 @@ def test_n_samples_stream_with_their_index_and_one_final(loop):
     sink = RecordingSink()
     loop.submit(generate(max_new_tokens=2, n=2), sink)
     assert sink.closed.wait(5)
-    indices = sorted(int(o[wire.INDEX][0]) for o, _ in sink.responses)
-    assert indices == [0, 0, 1, 1]
-    assert [final for _, final in sink.responses] == [False, False, False, True]
+    assert ids_of(sink, 0) == [1, 2] and ids_of(sink, 1) == [1, 2]
+    assert [final for _, final in sink.responses].count(True) == 1 and sink.responses[-1][1]
 
 
 def test_score_request_gets_one_response_with_choice_scores(loop):
