@@ -47,9 +47,17 @@ class TritonResponseSink:
     def __init__(self, request) -> None:
         self._request = request
         self._sender = request.get_response_sender()
+        # Only the outputs the client asked for (none named: all of them). Each output
+        # tensor is one more shared-memory block per streamed response.
+        try:
+            self._wanted = frozenset(request.requested_output_names()) or None
+        except AttributeError:  # an older python backend
+            self._wanted = None
 
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
-        tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
+        wanted = self._wanted
+        tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()
+                   if wanted is None or name in wanted]
         self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
                           flags=_FINAL if final else 0)
 
