@@ -35,7 +35,8 @@ def few_shot(vocab: int, num_questions: int = 32, shots_tokens: int = 512, quest
     shots = _tokens(rng, shots_tokens, vocab)
     reqs = [Request(shots + _tokens(rng, question_tokens, vocab), new_tokens) for _ in range(num_questions)]
     return Workload("few-shot", lambda prev, i: reqs if i == 0 else None,
-                    f"{num_questions} questions after {shots_tokens} shared example tokens")
+                    f"{num_questions} questions after {shots_tokens} shared example tokens, "
+                    f"{new_tokens}-token answers")
 
 
 def multi_turn(vocab: int, num_sessions: int = 8, turns: int = 4, system_tokens: int = 128,
@@ -56,7 +57,8 @@ def multi_turn(vocab: int, num_sessions: int = 8, turns: int = 4, system_tokens:
         return [Request(list(h), new_tokens) for h in history]
 
     return Workload("multi-turn", next_round,
-                    f"{num_sessions} sessions x {turns} turns, {system_tokens}-token system prompt")
+                    f"{num_sessions} sessions x {turns} turns, {system_tokens}-token system prompt, "
+                    f"{new_tokens}-token answers")
 
 
 def tree_of_thought(vocab: int, branching: int = 3, depth: int = 3, root_tokens: int = 256,
@@ -75,7 +77,8 @@ def tree_of_thought(vocab: int, branching: int = 3, depth: int = 3, root_tokens:
         return [Request(list(node), new_tokens) for node in frontier]
 
     return Workload("tree-of-thought", next_round,
-                    f"branching {branching}, depth {depth}, {root_tokens}-token root")
+                    f"branching {branching}, depth {depth}, {root_tokens}-token root, "
+                    f"{new_tokens}-token steps")
 
 
 class BestHitTracker:

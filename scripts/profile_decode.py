@@ -1,13 +1,22 @@
-"""Where a decode step's host time goes: cProfile over decode steps on a CUDA GPU.
+"""Where a decode step's time goes, overlap scheduling on and off, on a CUDA GPU.
 
-    python scripts/profile_decode.py --tokenizer DIR [--shape 1b] [--batch 1 64]
+    python scripts/profile_decode.py --model /tmp/shapes/llama-8b [--batch 1 32] [--out DIR]
 
-Also times the graph replay alone (device time per step), the floor the host must hide.
+For each setting (overlap off, overlap on) and batch size: steady greedy decode, then
+  * wall ms per step over 100 steps;
+  * torch.profiler over 30 steps: device busy time per step (union of kernel intervals),
+    so wall - busy is the device left idle; and the kernels by total device time;
+  * cProfile of the host over the same kind of steps (top functions by own time).
+Both engines live in this process with a fixed KV pool, on the same random weights.
+Writes DIR/profile_decode.json and DIR/profile_decode.txt (tables) when --out is given.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
+import io
+import json
 import pstats
 import sys
 import time
@@ -16,49 +25,155 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from backend.core import SamplingParams  # noqa: E402
-from gpu_smoke import engine, make_shape_dir  # noqa: E402
+from backend.core import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def busy_us(events) -> float:
+    """Union of device kernel/memcpy intervals (microseconds)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def fill(eng: Engine, batch: int, n_in: int) -> None:
+    for i in range(batch):
+        eng.add_request([100 + (i * 7 + j) % 1000 for j in range(n_in)],
+                        SamplingParams(max_new_tokens=100_000, temperature=0.0, ignore_eos=True))
+    for _ in range(30):
+        eng.step()
+    sync()
+
+
+def drain(eng: Engine) -> None:
+    for rid in list(eng._groups):
+        eng.abort(rid)
+    while eng.has_work():
+        eng.step()
+
+
+def device_gaps(eng: Engine, steps: int) -> dict:
+    """Device time per step and device idle time between steps, from CUDA events recorded
+    when a launch begins (before its first copy) and when it has been enqueued."""
+    fs = eng.forward_step
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    launch = fs.launch
+
+    def timed_launch(items):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        flight = launch(items)
+        end.record()
+        marks.append((start, end))
+        return flight
+
+    fs.launch = timed_launch
+    try:
+        for _ in range(steps):
+            eng.step()
+        sync()
+    finally:
+        fs.launch = launch
+    busy = sorted(s.elapsed_time(e) for s, e in marks)
+    gaps = sorted(marks[k][1].elapsed_time(marks[k + 1][0]) for k in range(len(marks) - 1))
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    return {"launch_to_done_ms_p50": round(pct(busy, 0.5), 3),
+            "gap_ms_mean": round(sum(gaps) / len(gaps), 3), "gap_ms_p50": round(pct(gaps, 0.5), 3),
+            "gap_ms_p90": round(pct(gaps, 0.9), 3)}
+
+
+def profile_one(eng: Engine, batch: int, n_in: int, report: list[str]) -> dict:
+    fill(eng, batch, n_in)
+    gaps = device_gaps(eng, 60) if DEVICE == "cuda" else {}
+    t = time.perf_counter()
+    for _ in range(100):
+        eng.step()
+    sync()
+    wall_ms = (time.perf_counter() - t) * 10
+
+    steps = 30
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        prof_wall_ms = (time.perf_counter() - t) * 1000 / steps
+    events = prof.events()
+    busy_ms = busy_us(events) / 1000 / steps
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    cp.disable()
+    buf = io.StringIO()
+    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(16)
+    drain(eng)
+    res = {"batch": batch, "wall_ms_per_step": round(wall_ms, 3),
+           "profiled_wall_ms_per_step": round(prof_wall_ms, 3),
+           "device_busy_ms_per_step": round(busy_ms, 3),
+           "device_idle_fraction": round(max(0.0, 1 - busy_ms / prof_wall_ms), 3), **gaps}
+    report.append(f"\n===== {json.dumps(res)}\n{table}\n--- host (cProfile, {steps} steps)\n"
+                  + "\n".join(buf.getvalue().splitlines()[:40]))
+    return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--shape", default="1b")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--overlap", type=int, default=1)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--kv-tokens", type=int, default=150_000)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     args = ap.parse_args()
-    eng = engine(make_shape_dir(args.shape, args.tokenizer), enable_overlap=bool(args.overlap))
-    for b in args.batch:
-        for i in range(b):
-            eng.add_request([100 + i + j for j in range(32)],
-                            SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
-        for _ in range(20):
-            eng.step()
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        t = time.perf_counter()
-        prof.enable()
-        for _ in range(100):
-            eng.step()
-        torch.cuda.synchronize()
-        prof.disable()
-        dt = (time.perf_counter() - t) / 100
-        graphs = eng.runner.graphs
-        size = [s for s in graphs.sizes if s >= b][0]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            graphs.graphs[size].replay()
-        end.record()
-        torch.cuda.synchronize()
-        print(f"\n=== batch {b}: {dt * 1000:.2f} ms/step wall, graph replay {start.elapsed_time(end) / 50:.2f} ms")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
-        for rid in list(eng._groups):
-            eng.abort(rid)
-        while eng.has_work():
-            eng.step()
+    global DEVICE
+    DEVICE = args.device
+    results, report = [], []
+    for overlap in (False, True):
+        eng = Engine(EngineConfig(model_path=args.model, device=args.device,
+                                  dtype="bfloat16" if args.device == "cuda" else "float32",
+                                  load_format="dummy", max_total_tokens=args.kv_tokens,
+                                  max_running_requests=256, max_prefill_tokens=8192,
+                                  enable_overlap=overlap))
+        for b in args.batch:
+            r = profile_one(eng, b, args.prompt_len, report)
+            r["overlap"] = overlap
+            results.append(r)
+            print(json.dumps(r), flush=True)
+        del eng
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    text = "\n".join(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile_decode.json").write_text(json.dumps(results, indent=1))
+        (out / "profile_decode.txt").write_text(text)
+    else:
+        print(text)
 
 
 if __name__ == "__main__":

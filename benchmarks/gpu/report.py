@@ -34,6 +34,8 @@ ANCHORS = {
 BOUND_ANCHOR = {"llama-1b": 1712, "llama-8b": 263}  # anchor batch-1 bound, tok/s
 BATCH1_TARGET = {"llama-1b": (0.60, 1027), "llama-8b": (0.85, 224)}
 MODEL_ORDER = ["llama-1b", "llama-8b", "default", "tiny-llama"]
+PREFIX_WORKLOADS = ("few-shot", "multi-turn", "tree-of-thought",
+                    "few-shot-short", "multi-turn-short", "tree-of-thought-short")
 ROW_ORDER = ["b1_in32_out128", "b32_in32_out128", "b128_in32_out128", "b32_in256_out32"]
 SYSTEM_STYLE = {  # label, color
     ("engine", "default"): ("ours (in-process)", "tab:blue"),
@@ -243,7 +245,7 @@ def _label(system, cfg):
 def prefix_section(db):
     rows = []
     for model in db.models():
-        for w in ("few-shot", "multi-turn", "tree-of-thought"):
+        for w in PREFIX_WORKLOADS:
             on = db.get("engine", model, "default", "prefix", w)
             off = db.get("engine", model, "cache-off", "prefix", w)
             if on is None and off is None:
@@ -344,7 +346,7 @@ def targets_section(db):
             o, h = db.metric("engine", model, "default", "offline", w), db.metric("hf", model, None, "offline", w)
             if o and h:
                 rows.append([f"offline {w}, {model}: >= 10x transformers (this run)", f"{o / h:.1f}x", _yes(o / h >= 10)])
-        for w in ("few-shot", "multi-turn", "tree-of-thought"):
+        for w in PREFIX_WORKLOADS:
             on = db.metric("engine", model, "default", "prefix", w)
             off = db.metric("engine", model, "cache-off", "prefix", w)
             if on and off:
@@ -533,7 +535,7 @@ def plots(db, out_dir):
             made.append(_save(fig, out_dir / fname))
 
     # 4. cache hit rate vs best
-    pre = [(m, w) for m in db.models() for w in ("few-shot", "multi-turn", "tree-of-thought")
+    pre = [(m, w) for m in db.models() for w in PREFIX_WORKLOADS
            if db.get("engine", m, "default", "prefix", w)]
     if pre:
         fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(pre)), 4.5))

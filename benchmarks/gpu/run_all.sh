@@ -14,7 +14,8 @@
 # runs. The phases of one invocation share BENCH_DEADLINE_S (default 480 s): each step gets
 # a share of what is left, passed to the script as --budget-s; the script records the items
 # that do not fit as "skipped". Items already measured (status ok) in
-# benchmarks/gpu/results/*.jsonl or in this run's results are skipped (resume).
+# benchmarks/gpu/results/*.jsonl or in this run's results are skipped (resume), unless
+# BENCH_FRESH=1 (then only this run's results count).
 # Output: $OUT/results.jsonl, $OUT/log.txt, $OUT/server-<model>.log on the device machine
 # ($OUT unset: benchmarks/gpu/results/local/). BENCH_QUICK=1: CPU dry run, tiny sizes.
 set -uo pipefail
@@ -41,7 +42,9 @@ else
   DEV=(--device cuda); MODELS=(${BENCH_MODELS:-llama-1b llama-8b}); SMOKE_MODEL=llama-1b
 fi
 DONE=(--done "$BENCH_RESULTS")
-for f in "$ROOT"/benchmarks/gpu/results/*.jsonl; do [ -f "$f" ] && DONE+=("$f"); done
+if [ "${BENCH_FRESH:-0}" != 1 ]; then  # BENCH_FRESH=1: measure again what earlier runs have
+  for f in "$ROOT"/benchmarks/gpu/results/*.jsonl; do [ -f "$f" ] && DONE+=("$f"); done
+fi
 SERVER_PIDFILE="${BENCH_TMP:-/tmp}/radixlm_bench_server.pid"
 
 left() { echo $((DEADLINE - (SECONDS - T0))); }
@@ -118,6 +121,8 @@ EOF
 import numpy, sys
 from backend.launcher import find_server_files, check_environment
 check_environment(); f = find_server_files()
+from transformers import AutoTokenizer  # what the model's initialize needs first
+import backend.core
 print('  server python', sys.version.split()[0], 'numpy', numpy.__version__, 'stub', f.stub)" \
     || echo "  server environment FAILED"
   if [ -d "${BENCH_TMP:-/tmp}/tritonserver" ]; then
