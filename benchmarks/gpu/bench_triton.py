@@ -185,6 +185,11 @@ class Server:
                 self.proc.wait(timeout=30)
             except ProcessLookupError:
                 pass
+        # a crashed tritonserver can leave its Python stubs (and their GPU memory) behind
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.log_file.close()
 
 
