@@ -204,10 +204,16 @@ class NoCache(RadixCache):
         return len(token_ids)  # "all present": the caller frees every slot it passed
 
 
+_CHUNK = 32
+
+
 def common_prefix_len(key: list[int], token_ids: list[int], start: int = 0) -> int:
     """How many leading tokens of ``key`` equal ``token_ids[start:]``."""
     n = min(len(key), len(token_ids) - start)
     i = 0
+    if type(key) is type(token_ids):  # slices compare in C: whole chunks first
+        while i + _CHUNK <= n and key[i:i + _CHUNK] == token_ids[start + i:start + i + _CHUNK]:
+            i += _CHUNK
     while i < n and key[i] == token_ids[start + i]:
         i += 1
     return i

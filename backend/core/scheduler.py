@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .memory_pool import KVPool, ReqToTokenPool
-from .radix_cache import RadixCache, common_prefix_len
+from .radix_cache import RadixCache
 from .request import Req, ReqStatus
 
 LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step costs too much
@@ -123,9 +123,8 @@ class Scheduler:
             if self.req_pool.available_size() == 0:
                 break
             match = self.cache.match_prefix(req.fill_ids[:req.max_match_len()])
-            if self.cache.enabled and any(
-                    common_prefix_len(req.fill_ids, other) - len(match.kv_indices) >= IN_BATCH_SHARE_MIN
-                    for other in admitted_prompts):
+            if self.cache.enabled and self._shares_uncached(req.fill_ids, len(match.kv_indices),
+                                                            admitted_prompts):
                 continue
             self.cache.lock(match.last_node)
             n = min(len(req.fill_ids) - len(match.kv_indices), budget)
@@ -143,6 +142,18 @@ class Scheduler:
                 if req.arrival < latest:
                     req.times_passed_over += 1
         return items
+
+    @staticmethod
+    def _shares_uncached(ids: list[int], cached: int, others: list[list[int]]) -> bool:
+        """Whether some prompt in ``others`` agrees with ``ids`` on its first ``cached``
+        tokens and at least IN_BATCH_SHARE_MIN more. The short window past the cached
+        part is compared first: with a hundred few-shot questions admitted in one step,
+        comparing whole prompts pairwise cost more than the step itself."""
+        end = cached + IN_BATCH_SHARE_MIN
+        if len(ids) < end:
+            return False
+        window = ids[cached:end]
+        return any(other[cached:end] == window and other[:cached] == ids[:cached] for other in others)
 
     def _admission_order(self) -> list[Req]:
         if self.config.schedule_policy == "fcfs" or not self.cache.enabled \
