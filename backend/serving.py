@@ -29,13 +29,16 @@ Response rules:
 from __future__ import annotations
 
 import collections
+import io
 import logging
+import os
 import queue
 import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -43,6 +46,7 @@ import numpy as np
 from backend import wire
 
 log = logging.getLogger("radixlm.serving")
+PROFILE_ENV = "RADIXLM_PROFILE_DIR"  # set: the loop thread is profiled into this folder
 
 
 class ResponseSink(Protocol):
@@ -227,6 +231,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="radixlm-engine-loop", daemon=True)
         self._watcher = threading.Thread(target=self._watch, name="radixlm-cancel-watch", daemon=True)
         self._outbox = _Outbox(self._deliver_delta, sender_threads)
+        # where the loop thread's time goes (seconds; in debug stats)
+        self.timings: dict[str, float] = {"step_s": 0.0, "route_s": 0.0, "idle_s": 0.0, "steps": 0}
+        self._profiler = None
+        self._profile_path: Path | None = None
 
     def start(self) -> None:
         self._outbox.start()
@@ -289,6 +297,21 @@ class EngineLoop:
 
     # -- the loop thread
     def _run(self) -> None:
+        profile_dir = os.environ.get(PROFILE_ENV)
+        if profile_dir:  # a diagnosis aid: cProfile of this thread, written at every stats
+            import cProfile  # request and when the thread ends
+            self._profile_path = Path(profile_dir) / f"engine_loop_{os.getpid()}.txt"
+            self._profiler = cProfile.Profile()
+            self._profiler.enable()
+            try:
+                self._run_loop()
+            finally:
+                self._profiler.disable()
+                _write_profile(self._profiler, self._profile_path)
+            return
+        self._run_loop()
+
+    def _run_loop(self) -> None:
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - whatever it was, the loop is gone
@@ -310,7 +333,9 @@ class EngineLoop:
                     self._abort_pending()
                 last_poll = now
             if not self.engine.has_work():
+                started = time.perf_counter()
                 self.engine.wait_for_work(self._idle_wait_s)
+                self.timings["idle_s"] += time.perf_counter() - started
                 continue
             self._step()
 
@@ -335,12 +360,14 @@ class EngineLoop:
             _safe(self._on_death, reason)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a bug in the engine must not kill the server
             self._on_error("engine step failed:\n" + traceback.format_exc())
             self._fail_all(f"engine error: {exc}")
             return
+        stepped = time.perf_counter()
         if self._metrics is not None and outputs:
             _safe(self._metrics.observe_outputs, outputs)
         for out in outputs:
@@ -348,6 +375,9 @@ class EngineLoop:
                 self._route(out)
             except Exception:
                 self._on_error("sending a response failed:\n" + traceback.format_exc())
+        self.timings["step_s"] += stepped - started
+        self.timings["route_s"] += time.perf_counter() - stepped
+        self.timings["steps"] += 1
 
     def _answer_stats(self) -> None:
         while True:
@@ -362,6 +392,12 @@ class EngineLoop:
             except AssertionError as exc:
                 stats["integrity_ok"], stats["integrity_error"] = False, str(exc) or "failed"
             stats["num_pending_requests"] = self.num_active()
+            stats["loop"] = {k: round(v, 4) for k, v in self.timings.items()}
+            stats["loop"]["queued_responses"] = self._outbox.pending()
+            if self._profiler is not None:
+                self._profiler.disable()
+                _write_profile(self._profiler, self._profile_path)
+                self._profiler.enable()
             _safe(sink.send, wire.stats_outputs(stats), True)
 
     def _abort_cancelled(self) -> None:
@@ -501,3 +537,16 @@ def _safe(fn: Callable, *args, default: Any = None, ok: Any = None) -> Any:
     except Exception as exc:
         log.warning("%s failed: %s", getattr(fn, "__qualname__", "a sink call"), exc)
         return default
+
+
+def _write_profile(profiler, path: Path) -> None:
+    import pstats
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(35)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(out.getvalue())
+    except OSError as exc:
+        log.warning("cannot write the loop profile %s: %s", path, exc)

@@ -264,8 +264,25 @@ def test_stats_job_reports_engine_stats_and_integrity(loop):
     loop.submit(wire.StatsJob(), sink)
     assert sink.closed.wait(5)
     stats = json.loads(sink.responses[0][0][wire.STATS][0])
+    loop_timings = stats.pop("loop")
     assert stats == {"num_running": 0, "num_waiting": 0, "integrity_ok": True,
                      "integrity_error": None, "num_pending_requests": 0}
+    assert set(loop_timings) == {"step_s", "route_s", "idle_s", "steps", "queued_responses"}
+    assert loop_timings["steps"] == 0 and loop_timings["idle_s"] > 0
+
+
+def test_loop_timings_count_the_steps_and_the_profile_is_written(tmp_path, monkeypatch):
+    from backend import serving
+    monkeypatch.setenv(serving.PROFILE_ENV, str(tmp_path))
+    loop = EngineLoop(ScriptedEngine(), idle_wait_s=0.005, cancel_poll_s=0.0)
+    loop.start()
+    sink = RecordingSink()
+    loop.submit(generate(max_new_tokens=5), sink)
+    assert sink.closed.wait(5)
+    loop.stop(timeout_s=5)
+    assert loop.timings["steps"] == 5 and loop.timings["step_s"] >= 5 * 0.002
+    (profile,) = tmp_path.glob("engine_loop_*.txt")
+    assert "_step" in profile.read_text()
 
 
 def test_engine_failure_fails_pending_requests_and_the_loop_keeps_serving(loop):

@@ -102,10 +102,12 @@ def free_ports(n):
 
 
 class Server:
-    def __init__(self, python: str, repo: Path, log_path: Path):
+    def __init__(self, python: str, repo: Path, log_path: Path, profile_dir: str | None = None):
         self.http, self.grpc, self.metrics = free_ports(3)
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if profile_dir:  # backend/serving.py profiles its engine loop thread into it
+            env["RADIXLM_PROFILE_DIR"] = profile_dir
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = [python, "-m", "backend.launcher", f"--model-repository={repo}",
                f"--http-port={self.http}", f"--grpc-port={self.grpc}",
@@ -269,6 +271,7 @@ async def _client_async(url, items, t0, n_out, timeout_s):
 
 def run_requests(url, arrivals, prompts, n_out, procs, timeout_s):
     """Spread requests round-robin over client processes sharing one start time."""
+    import tritonclient.grpc.aio  # noqa: F401 - imported once here, not in every forked worker
     items = [(i, a, p) for i, (a, p) in enumerate(zip(arrivals, prompts))]
     procs = max(1, min(procs, len(items)))
     shares = [items[k::procs] for k in range(procs)]
@@ -368,6 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server-pidfile", default=None,
                     help="write the server's process group id here while it runs")
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--server-profile-dir", default=None,
+                    help="profile the server's engine loop thread (cProfile text) into this folder")
     ap.add_argument("--engine-param", action="append", default=[],
                     help="extra config.pbtxt engine parameter KEY=VALUE (repeatable)")
     args = ap.parse_args(argv)
@@ -392,7 +397,7 @@ def main(argv=None) -> int:
     started = False
     try:
         repo = make_repository(tmp / "repo", args.model, device, dtype, extra)
-        server = Server(args.server_python, repo, log_path)
+        server = Server(args.server_python, repo, log_path, args.server_profile_dir)
         if args.server_pidfile:
             Path(args.server_pidfile).write_text(str(server.proc.pid))
         ready_s = server.wait_ready(min(args.server_timeout_s, max(budget.left() - 10.0, 30.0)))
@@ -407,6 +412,9 @@ def main(argv=None) -> int:
         if "online" in modes:
             mode_online(server, rec, args, budget, label)
         st = server.stats()
+        if st:
+            log(f"server loop: {st.get('loop')}; engine steps {st.get('steps')}, "
+                f"schedule {st.get('schedule_seconds')} s")
         rec.write("server_stats", "end", st, status="ok" if st and st.get("integrity_ok") else "error",
                   error=None if st and st.get("integrity_ok") else str(st)[:500])
     except Exception as exc:  # noqa: BLE001
