@@ -209,7 +209,7 @@ class EngineLoop:
                  server_stopping: Callable[[], bool] | None = None,
                  metrics: Any = None,
                  on_death: Callable[[str], None] | None = None,
-                 sender_threads: int = 4) -> None:
+                 sender_threads: int = 2) -> None:
         """``server_stopping``, polled while requests are pending, says the server has
         begun to shut down: pending requests are then aborted so that each gets its final
         response (tritonserver only unloads the model, and so calls ``finalize``, once

@@ -192,7 +192,7 @@ def test_when_the_engine_loop_dies_the_server_stops_being_ready_and_exits(tmp_pa
                 break
         assert "the engine loop died (RuntimeError: fault injected by a debug request)" \
             in str(error)
-        client.stop_stream()
+        client.stop_stream(cancel_requests=True)  # its request has ended: close without waiting
         wait_until(lambda: not _ready(ready), timeout_s=10)
         server.process.wait(timeout=30)
         assert time.monotonic() - died < 30
@@ -231,7 +231,9 @@ def test_sigterm_to_tritonserver_alone_ends_in_flight_streams_and_exits(tmp_path
         assert result.as_numpy("finish_reason")[0] == b"abort"
         assert int(result.as_numpy("num_output_tokens")[0]) < 3000
         assert time.monotonic() - signalled < 5
-        client.stop_stream()  # an open stream keeps Triton from unloading the model
+        # an open stream keeps Triton from unloading the model; the request has its final
+        # response, so close at once (waiting for the RPC to end can outlive the server)
+        client.stop_stream(cancel_requests=True)
         server.process.wait(timeout=30)
         log = server.log_path.read_text()
         assert "radixlm: engine loop stopped" in log
