@@ -11,9 +11,10 @@ Responses leave through an outbox, not from the engine thread: a Triton send is 
 round trip to the server process (it releases the GIL while it waits), and 128 streams
 sending one token each per step would otherwise stall the GPU for tens of milliseconds
 per step. Sender threads drain the outbox request by request, in order; streamed tokens
-that queued up while a send was in flight go out together in one response. A watcher
-thread polls the sinks for client cancellation (at most every ``cancel_poll_s``: each
-poll is an IPC round trip per pending request) and aborts cancelled requests.
+that queued up while a send was in flight go out together in one response. The loop
+thread polls the sinks for client cancellation between steps (at most every
+``cancel_poll_s``: each poll is an IPC round trip per pending request; polled from a
+thread of its own, a stopping tritonserver sometimes never delivered the final response).
 
 If the loop thread itself dies (an exception outside a step, which step errors are not),
 every pending request gets an error, later ones are refused with the reason, ``failure``
@@ -229,7 +230,6 @@ class EngineLoop:
         self._stats_sinks: queue.SimpleQueue[ResponseSink] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixlm-engine-loop", daemon=True)
-        self._watcher = threading.Thread(target=self._watch, name="radixlm-cancel-watch", daemon=True)
         self._outbox = _Outbox(self._deliver_delta, sender_threads)
         # where the loop thread's time goes (seconds; in debug stats)
         self.timings: dict[str, float] = {"step_s": 0.0, "route_s": 0.0, "idle_s": 0.0, "steps": 0}
@@ -239,7 +239,6 @@ class EngineLoop:
     def start(self) -> None:
         self._outbox.start()
         self._thread.start()
-        self._watcher.start()
 
     def num_active(self) -> int:
         with self._lock:
@@ -288,8 +287,6 @@ class EngineLoop:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        if self._watcher.is_alive():
-            self._watcher.join(timeout_s)
 
     def inject_fault(self, message: str) -> None:
         """Make the loop thread raise ``message`` (fault-injection tests of the death path)."""
@@ -328,8 +325,10 @@ class EngineLoop:
                 _safe(self._metrics.sample, self.engine)
             self._answer_stats()
             now = time.monotonic()
-            if self._server_stopping is not None and now - last_poll >= self._cancel_poll_s:
-                if self.num_active() and _safe(self._server_stopping, default=False):
+            if now - last_poll >= self._cancel_poll_s:
+                self._abort_cancelled()
+                if self._server_stopping is not None and self.num_active() \
+                        and _safe(self._server_stopping, default=False):
                     self._abort_pending()
                 last_poll = now
             if not self.engine.has_work():
@@ -338,12 +337,6 @@ class EngineLoop:
                 self.timings["idle_s"] += time.perf_counter() - started
                 continue
             self._step()
-
-    def _watch(self) -> None:
-        """Client cancellation, polled off the engine thread."""
-        while not self._stopping.wait(max(self._cancel_poll_s, 0.002)):
-            if self.failure is None:
-                self._abort_cancelled()
 
     def _die(self, reason: str, details: str) -> None:
         self.failure = reason
