@@ -397,10 +397,14 @@ class EngineLoop:
         with self._lock:
             candidates = [(rid, t) for rid, t in self._active.items() if not t.cancelled]
         for rid, tracked in candidates:
-            with tracked.io_lock:
+            if not tracked.io_lock.acquire(blocking=False):
+                continue  # a sender is busy with it: ask next round, do not wait here
+            try:
                 if tracked.closed:
                     continue
                 cancelled = _safe(tracked.sink.is_cancelled, default=True)
+            finally:
+                tracked.io_lock.release()
             if cancelled:
                 tracked.cancelled = True
                 self.engine.abort(rid)
