@@ -81,51 +81,68 @@ def _quote(value: str) -> str:
     return f'"{escaped}"'
 
 
-def _parameter_blocks(text: str) -> list[tuple[int, int, str | None, str | None]]:
-    """Top-level ``parameters { ... }`` entries: (start, end, key, string_value)."""
-    tokens = list(_tokens(text))
-    blocks = []
+def _top_level(tokens: list, field: str) -> list[tuple[int, int, int]]:
+    """Top-level occurrences of ``field`` (``field [..]``, ``field {..}``, ``field: value``)
+    as token indices: (its name, the first token of its value, the value's last token)."""
+    found = []
     depth = 0
     i = 0
     while i < len(tokens):
-        kind, value, start, _ = tokens[i]
+        kind, value = tokens[i][0], tokens[i][1]
         if kind == "punct" and value in "{<[":
             depth += 1
         elif kind == "punct" and value in "}>]":
             depth -= 1
-        elif depth == 0 and kind == "ident" and value == "parameters":
-            j = i + 1
-            if j < len(tokens) and tokens[j][1] == ":":
-                j += 1
-            if j >= len(tokens) or tokens[j][1] not in ("{", "<"):
-                raise ConfigError("only the `parameters { key: ... value: {...} }` form is supported")
-            level = 0
-            k = j
-            inner: list[tuple[int, str, str]] = []  # (level, kind, text)
-            while k < len(tokens):
-                t_kind, t_value = tokens[k][0], tokens[k][1]
-                if t_kind == "punct" and t_value in "{<[":
-                    level += 1
-                elif t_kind == "punct" and t_value in "}>]":
-                    level -= 1
-                    if level == 0:
-                        break
+        elif depth == 0 and kind == "ident" and value == field:
+            first = i + 1
+            if first < len(tokens) and tokens[first][1] == ":":
+                first += 1
+            if first >= len(tokens):
+                raise ConfigError(f"{field} has no value")
+            last = first
+            if tokens[first][1] in ("{", "<", "["):
+                level = 0
+                while last < len(tokens):
+                    if tokens[last][0] == "punct" and tokens[last][1] in "{<[":
+                        level += 1
+                    elif tokens[last][0] == "punct" and tokens[last][1] in "}>]":
+                        level -= 1
+                        if level == 0:
+                            break
+                    last += 1
                 else:
-                    inner.append((level, t_kind, t_value))
-                k += 1
-            else:
-                raise ConfigError("unclosed parameters block")
-            key = string_value = None
-            for n in range(len(inner) - 2):
-                (lvl, k1, v1), (_, _, v2), (_, k3, v3) = inner[n], inner[n + 1], inner[n + 2]
-                if k1 == "ident" and v2 == ":" and k3 == "string":
-                    if v1 == "key" and lvl == 1:
-                        key = _unquote(v3)
-                    elif v1 == "string_value":
-                        string_value = _unquote(v3)
-            blocks.append((start, tokens[k][3], key, string_value))
-            i = k
+                    raise ConfigError(f"unclosed {field}")
+            found.append((i, first, last))
+            i = last
         i += 1
+    return found
+
+
+def _parameter_blocks(text: str) -> list[tuple[int, int, str | None, str | None]]:
+    """Top-level ``parameters { ... }`` entries: (start, end, key, string_value)."""
+    tokens = list(_tokens(text))
+    blocks = []
+    for name, first, last in _top_level(tokens, "parameters"):
+        if tokens[first][1] not in ("{", "<"):
+            raise ConfigError("only the `parameters { key: ... value: {...} }` form is supported")
+        level = 0
+        inner: list[tuple[int, str, str]] = []  # (level, kind, text) of the non-brackets
+        for t_kind, t_value, _, _ in tokens[first:last]:
+            if t_kind == "punct" and t_value in "{<[":
+                level += 1
+            elif t_kind == "punct" and t_value in "}>]":
+                level -= 1
+            else:
+                inner.append((level, t_kind, t_value))
+        key = string_value = None
+        for n in range(len(inner) - 2):
+            (lvl, k1, v1), (_, _, v2), (_, k3, v3) = inner[n], inner[n + 1], inner[n + 2]
+            if k1 == "ident" and v2 == ":" and k3 == "string":
+                if v1 == "key" and lvl == 1:
+                    key = _unquote(v3)
+                elif v1 == "string_value":
+                    string_value = _unquote(v3)
+        blocks.append((tokens[name][2], tokens[last][3], key, string_value))
     return blocks
 
 
@@ -162,40 +179,9 @@ def set_parameters(text: str, params: Mapping[str, str]) -> str:
 
 
 def _field_spans(text: str, field: str) -> list[tuple[int, int]]:
-    """Spans of the top-level occurrences of ``field`` (``field [..]``, ``field {..}``,
-    ``field: value``)."""
+    """Character spans of the top-level occurrences of ``field``."""
     tokens = list(_tokens(text))
-    spans = []
-    depth = 0
-    i = 0
-    while i < len(tokens):
-        kind, value, start, _ = tokens[i]
-        if kind == "punct" and value in "{<[":
-            depth += 1
-        elif kind == "punct" and value in "}>]":
-            depth -= 1
-        elif depth == 0 and kind == "ident" and value == field:
-            j = i + 1
-            if j < len(tokens) and tokens[j][1] == ":":
-                j += 1
-            if j >= len(tokens):
-                raise ConfigError(f"{field} has no value")
-            if tokens[j][1] in ("{", "<", "["):
-                level = 0
-                while j < len(tokens):
-                    if tokens[j][0] == "punct" and tokens[j][1] in "{<[":
-                        level += 1
-                    elif tokens[j][0] == "punct" and tokens[j][1] in "}>]":
-                        level -= 1
-                        if level == 0:
-                            break
-                    j += 1
-                else:
-                    raise ConfigError(f"unclosed {field}")
-            spans.append((start, tokens[j][3]))
-            i = j
-        i += 1
-    return spans
+    return [(tokens[name][2], tokens[last][3]) for name, _, last in _top_level(tokens, field)]
 
 
 def set_field(text: str, field: str, value: str) -> str:
