@@ -29,7 +29,6 @@ import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -175,7 +174,7 @@ def mode_offline(ctx):
             m.update(batch=b, n_in=n_in, n_out=n_out)
             rec.write("offline", name, m, status="ok" if m["n_completed"] == b else "truncated")
         except Exception as exc:  # noqa: BLE001
-            rec.write("offline", name, status="error", error=_err(exc))
+            rec.write("offline", name, status="error", error=C.error_text(exc))
 
 
 def copy_bandwidth(torch, device, nbytes):
@@ -333,7 +332,7 @@ def mode_hbm(ctx):
             }
             rec.write("hbm", name, m)
         except Exception as exc:  # noqa: BLE001
-            rec.write("hbm", name, status="error", error=_err(exc))
+            rec.write("hbm", name, status="error", error=C.error_text(exc))
 
 
 def prefix_workloads(args) -> dict:
@@ -411,46 +410,33 @@ def mode_prefix(ctx):
             m = run_rounds(eng, make(), SP)
             rec.write("prefix", name, m, status="ok" if m["n_completed"] == m["n_requests"] else "truncated")
         except Exception as exc:  # noqa: BLE001
-            rec.write("prefix", name, status="error", error=_err(exc))
+            rec.write("prefix", name, status="error", error=C.error_text(exc))
     try:
         eng.check_integrity()
         rec.write("integrity", "after_prefix", {"ok": True})
     except Exception as exc:  # noqa: BLE001
-        rec.write("integrity", "after_prefix", {"ok": False}, status="error", error=_err(exc))
+        rec.write("integrity", "after_prefix", {"ok": False}, status="error", error=C.error_text(exc))
 
 
 def mode_online(ctx):
     eng, rec, args, budget, SP = ctx["eng"], ctx["rec"], ctx["args"], ctx["budget"], ctx["SP"]
-    shapes = C.QUICK_ONLINE_SHAPES if args.quick else C.ONLINE_SHAPES
-    wanted = args.online_shapes.split(",") if args.online_shapes else list(shapes)
-    for shape, (n_in, n_out) in shapes.items():
-        if shape not in wanted:
-            continue
-        rates = C.QUICK_RATES[shape] if args.quick else C.RATES.get(ctx["label"], C.RATES["llama-8b"])[shape]
-        for rate in rates:
-            if rec.is_done("online", shape, rate):
-                continue
-            n = C.online_count(rate, args.online_window_s, args.online_max_requests,
-                               8 if args.quick else args.online_min_requests)
-            arrivals, prompts = C.online_schedule(shape, rate, n, n_in)
-            need = arrivals[-1] + 3.0
-            if not budget.allows(need + ctx["min_item_s"]):
-                rec.write("online", shape, rate=rate, status="skipped", error="time budget",
-                          metrics={"n_requests": n})
-                continue
-            try:
-                reset_cache(eng)
-                sync(ctx["torch"], args.device)
-                # drain allowance: the arrival window plus 2x it, within what is left
-                deadline = min(arrivals[-1] * 3 + 20.0, max(budget.left() - ctx["min_item_s"], need))
-                reqs, wall = drive(eng, arrivals, prompts, greedy(SP, n_out), deadline_s=deadline)
-                m = C.summarize(reqs)
-                m.update(n_in=n_in, n_out=n_out, offered_rate=rate,
-                         arrival_window_s=round(arrivals[-1], 3), wall_s=round(wall, 3))
-                rec.write("online", shape, m, rate=rate,
-                          status="ok" if m["n_completed"] == n else "truncated")
-            except Exception as exc:  # noqa: BLE001
-                rec.write("online", shape, rate=rate, status="error", error=_err(exc))
+    wanted = args.online_shapes.split(",") if args.online_shapes else None
+    for shape, rate, n_in, n_out, n, arrivals, prompts in C.online_items(
+            rec, args, budget, ctx["label"], ctx["min_item_s"], wanted):
+        need = arrivals[-1] + 3.0
+        try:
+            reset_cache(eng)
+            sync(ctx["torch"], args.device)
+            # drain allowance: the arrival window plus 2x it, within what is left
+            deadline = min(arrivals[-1] * 3 + 20.0, max(budget.left() - ctx["min_item_s"], need))
+            reqs, wall = drive(eng, arrivals, prompts, greedy(SP, n_out), deadline_s=deadline)
+            m = C.summarize(reqs)
+            m.update(n_in=n_in, n_out=n_out, offered_rate=rate,
+                     arrival_window_s=round(arrivals[-1], 3), wall_s=round(wall, 3))
+            rec.write("online", shape, m, rate=rate,
+                      status="ok" if m["n_completed"] == n else "truncated")
+        except Exception as exc:  # noqa: BLE001
+            rec.write("online", shape, rate=rate, status="error", error=C.error_text(exc))
 
 
 JSON_SCHEMAS = {
@@ -552,15 +538,12 @@ def mode_json(ctx):
                  sample_text=(reqs[0].get("text") or "")[:200])
         rec.write("json", name, m, status="ok" if m["n_completed"] == len(reqs) else "truncated")
     except Exception as exc:  # noqa: BLE001
-        rec.write("json", name, status="error", error=_err(exc))
+        rec.write("json", name, status="error", error=C.error_text(exc))
 
 
 MODES = {"offline": mode_offline, "hbm": mode_hbm, "prefix": mode_prefix,
          "online": mode_online, "json": mode_json}
 
-
-def _err(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exc().splitlines(True)[-8:])
 
 
 def config_name(args) -> str:
@@ -655,7 +638,7 @@ def main(argv=None) -> int:
         rec.write("startup", "engine", st)
         log(f"engine ready: init {init_s:.1f}s, warmup {warm_s:.1f}s, KV pool {eng.runner.kv_pool.size} tokens")
     except Exception as exc:  # noqa: BLE001
-        rec.write("startup", "engine", status="error", error=_err(exc))
+        rec.write("startup", "engine", status="error", error=C.error_text(exc))
         return 1
     ctx["eng"] = eng
     for mode in modes:
@@ -667,7 +650,7 @@ def main(argv=None) -> int:
         try:
             MODES[mode](ctx)
         except Exception as exc:  # noqa: BLE001
-            rec.write(mode, "all", status="error", error=_err(exc))
+            rec.write(mode, "all", status="error", error=C.error_text(exc))
         log(f"mode {mode}: {time.perf_counter() - t:.1f}s")
         gc.collect()
     log(f"bench_engine done in {budget.elapsed():.1f}s")

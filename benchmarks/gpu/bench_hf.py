@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -115,7 +114,7 @@ def offline_rows(hf, rec, args, budget, timings):
             m.update(batch=b, n_in=n_in, n_out=n_out, new_tokens_per_row=got)
             rec.write("offline", name, m, status="ok" if got == n_out else "truncated")
         except Exception as exc:  # noqa: BLE001
-            rec.write("offline", name, status="error", error=_err(exc))
+            rec.write("offline", name, status="error", error=C.error_text(exc))
             _free(hf)
 
 
@@ -227,7 +226,7 @@ def online_rows(hf, rec, args, budget, timings, label):
                                        "on a virtual clock")
                 rec.write("online", shape, m, rate=rate)
             except Exception as exc:  # noqa: BLE001
-                rec.write("online", shape, rate=rate, status="error", error=_err(exc))
+                rec.write("online", shape, rate=rate, status="error", error=C.error_text(exc))
                 _free(hf)
 
 
@@ -238,9 +237,6 @@ def _free(hf):
     except Exception:
         pass
 
-
-def _err(exc):
-    return f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exc().splitlines(True)[-6:])
 
 
 def main(argv=None) -> int:
@@ -272,7 +268,7 @@ def main(argv=None) -> int:
                                     "per_token_s_b1": round(d / 16, 5)})
         log(f"hf ready: load {hf.load_s:.1f}s, ~{d / 16 * 1e3:.1f} ms/token at batch 1")
     except Exception as exc:  # noqa: BLE001
-        rec.write("startup", "hf", status="error", error=_err(exc))
+        rec.write("startup", "hf", status="error", error=C.error_text(exc))
         return 1
     modes = args.modes.split(",")
     if "offline" in modes:

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -323,39 +322,24 @@ def mode_offline(server, rec, args, budget):
             m.update(batch=b, n_in=n_in, n_out=n_out, client_procs=args.client_procs)
             rec.write("offline", name, m, status="ok" if m["n_completed"] == b else "truncated")
         except Exception as exc:  # noqa: BLE001
-            rec.write("offline", name, status="error", error=_err(exc))
+            rec.write("offline", name, status="error", error=C.error_text(exc))
 
 
 def mode_online(server, rec, args, budget, label):
-    shapes = C.QUICK_ONLINE_SHAPES if args.quick else C.ONLINE_SHAPES
-    for shape, (n_in, n_out) in shapes.items():
-        rates = C.QUICK_RATES[shape] if args.quick else C.RATES.get(label, C.RATES["llama-8b"])[shape]
-        for rate in rates:
-            if rec.is_done("online", shape, rate):
-                continue
-            n = C.online_count(rate, args.online_window_s, args.online_max_requests,
-                               8 if args.quick else args.online_min_requests)
-            arrivals, prompts = C.online_schedule(shape, rate, n, n_in)
-            need = arrivals[-1] + 3.0
-            if not budget.allows(need + 10.0):
-                rec.write("online", shape, rate=rate, status="skipped", error="time budget",
-                          metrics={"n_requests": n})
-                continue
-            try:
-                timeout = min(arrivals[-1] * 3 + 30.0, max(budget.left() - 5.0, need + 5.0))
-                t = time.perf_counter()
-                reqs = run_requests(server.grpc_url, arrivals, prompts, n_out, args.client_procs, timeout)
-                m = C.summarize(reqs)
-                m.update(n_in=n_in, n_out=n_out, offered_rate=rate, client_procs=args.client_procs,
-                         arrival_window_s=round(arrivals[-1], 3), wall_s=round(time.perf_counter() - t, 3))
-                rec.write("online", shape, m, rate=rate,
-                          status="ok" if m["n_completed"] == n else "truncated")
-            except Exception as exc:  # noqa: BLE001
-                rec.write("online", shape, rate=rate, status="error", error=_err(exc))
+    for shape, rate, n_in, n_out, n, arrivals, prompts in C.online_items(rec, args, budget, label, 10.0):
+        need = arrivals[-1] + 3.0
+        try:
+            timeout = min(arrivals[-1] * 3 + 30.0, max(budget.left() - 5.0, need + 5.0))
+            t = time.perf_counter()
+            reqs = run_requests(server.grpc_url, arrivals, prompts, n_out, args.client_procs, timeout)
+            m = C.summarize(reqs)
+            m.update(n_in=n_in, n_out=n_out, offered_rate=rate, client_procs=args.client_procs,
+                     arrival_window_s=round(arrivals[-1], 3), wall_s=round(time.perf_counter() - t, 3))
+            rec.write("online", shape, m, rate=rate,
+                      status="ok" if m["n_completed"] == n else "truncated")
+        except Exception as exc:  # noqa: BLE001
+            rec.write("online", shape, rate=rate, status="error", error=C.error_text(exc))
 
-
-def _err(exc):
-    return f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exc().splitlines(True)[-6:])
 
 
 def main(argv=None) -> int:
@@ -420,7 +404,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001
         tail = server.tail() if server else ""
         rec.write("run" if started else "startup", "triton", status="error",
-                  error=_err(exc) + "\n--- server log tail ---\n" + tail[-4000:])
+                  error=C.error_text(exc) + "\n--- server log tail ---\n" + tail[-4000:])
         return 1
     finally:
         if server is not None:

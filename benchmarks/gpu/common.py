@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +73,32 @@ def online_count(rate: float, window_s: float, max_n: int, min_n: int) -> int:
 def online_schedule(shape: str, rate: float, n: int, n_in: int) -> tuple[list[float], list[list[int]]]:
     seed = hash_seed(shape, rate)
     return poisson_arrivals(n, rate, seed), random_prompts(n, n_in, seed + 1)
+
+
+def error_text(exc: BaseException, tail_lines: int = 8) -> str:
+    """An exception for a results line: type, message and the end of the traceback."""
+    return f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exc().splitlines(True)[-tail_lines:])
+
+
+def online_items(rec, args, budget, label: str, reserve_s: float, shapes_wanted=None):
+    """The online (shape, rate) items still to measure, as (shape, rate, n_in, n_out, n,
+    arrivals, prompts); one that would not fit the budget is recorded as skipped."""
+    shapes = QUICK_ONLINE_SHAPES if args.quick else ONLINE_SHAPES
+    for shape, (n_in, n_out) in shapes.items():
+        if shapes_wanted is not None and shape not in shapes_wanted:
+            continue
+        rates = QUICK_RATES[shape] if args.quick else RATES.get(label, RATES["llama-8b"])[shape]
+        for rate in rates:
+            if rec.is_done("online", shape, rate):
+                continue
+            n = online_count(rate, args.online_window_s, args.online_max_requests,
+                             8 if args.quick else args.online_min_requests)
+            arrivals, prompts = online_schedule(shape, rate, n, n_in)
+            if not budget.allows(arrivals[-1] + 3.0 + reserve_s):
+                rec.write("online", shape, rate=rate, status="skipped", error="time budget",
+                          metrics={"n_requests": n})
+                continue
+            yield shape, rate, n_in, n_out, n, arrivals, prompts
 
 
 def hash_seed(*parts) -> int:
