@@ -194,8 +194,8 @@ class TritonPythonModel:
             device = f"cuda:{args['model_instance_device_id']}"
             config = dataclasses.replace(config, device=device)
 
-        # This stub process runs the engine loop, the response sender and the
-        # cancellation watcher as threads of one interpreter. With the default 5 ms GIL
+        # This stub process runs the engine loop and the response senders as threads
+        # of one interpreter. With the default 5 ms GIL
         # switch interval the engine thread, after each GIL-releasing CUDA wait, could
         # queue up to 5 ms behind the sender building responses: on the H200 a 2.5 ms
         # decode step took 18 ms behind tritonserver. A short interval bounds that wait.

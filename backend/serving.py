@@ -271,14 +271,12 @@ class EngineLoop:
                     tracked.prompt_text = self.engine.tokenizer.decode(job.prompt)
                 self.engine.add_request(job.prompt, job.params, request_id=rid)
         except ValueError as exc:
-            with self._lock:
-                self._active.pop(rid, None)
-            tracked.close_with(lambda: sink.send_error(str(exc)))
+            self._retire(rid)
+            message = str(exc)
+            tracked.close_with(lambda: sink.send_error(message))
             return
         if self.failure is not None:  # the loop died meanwhile, maybe after failing all
-            with self._lock:
-                missed = self._active.pop(rid, None)
-            if missed is not None:
+            if self._retire(rid) is not None:
                 reason = self.failure
                 tracked.close_with(lambda: sink.send_error(f"the engine loop died ({reason})"))
 
@@ -304,9 +302,24 @@ class EngineLoop:
                 self._run_loop()
             finally:
                 self._profiler.disable()
-                _write_profile(self._profiler, self._profile_path)
+                self._dump_profile()
             return
         self._run_loop()
+
+    def _dump_profile(self) -> None:
+        """Write the loop thread's profile so far (only when RADIXLM_PROFILE_DIR is set)."""
+        if self._profiler is None:
+            return
+        import pstats
+        out = io.StringIO()
+        stats = pstats.Stats(self._profiler, stream=out)  # stops the profiler
+        stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumulative").print_stats(35)
+        try:
+            self._profile_path.parent.mkdir(parents=True, exist_ok=True)
+            self._profile_path.write_text(out.getvalue())
+        except OSError as exc:
+            log.warning("cannot write the loop profile %s: %s", self._profile_path, exc)
 
     def _run_loop(self) -> None:
         try:
@@ -388,8 +401,7 @@ class EngineLoop:
             stats["loop"] = {k: round(v, 4) for k, v in self.timings.items()}
             stats["loop"]["queued_responses"] = self._outbox.pending()
             if self._profiler is not None:
-                self._profiler.disable()
-                _write_profile(self._profiler, self._profile_path)
+                self._dump_profile()
                 self._profiler.enable()
             _safe(sink.send, wire.stats_outputs(stats), True)
 
@@ -451,8 +463,7 @@ class EngineLoop:
         if tracked.job.stream:
             if out.new_token_ids or out.new_text or out.finished:
                 if done:
-                    with self._lock:
-                        self._active.pop(out.request_id, None)
+                    self._retire(out.request_id)
                 self._outbox.put(out.request_id, _Delta(
                     tracked, sample, out, [out.new_text], list(out.new_token_ids),
                     list(out.logprobs or []), list(out.context_token_ids), done))
@@ -502,9 +513,13 @@ class EngineLoop:
             tracked.cancelled = True  # the client is gone: stop generating for it
             self.engine.abort(delta.out.request_id)
 
-    def _finish(self, rid: str, tracked: _Tracked, send: Callable[[], None]) -> None:
+    def _retire(self, rid: str) -> _Tracked | None:
+        """The engine is done with ``rid``: stop tracking it (its final may still be queued)."""
         with self._lock:
-            self._active.pop(rid, None)
+            return self._active.pop(rid, None)
+
+    def _finish(self, rid: str, tracked: _Tracked, send: Callable[[], None]) -> None:
+        self._retire(rid)
         self._outbox.put(rid, lambda: tracked.close_with(send))
 
     def _fail_all(self, message: str) -> None:
@@ -535,15 +550,3 @@ def _safe(fn: Callable, *args, default: Any = None, ok: Any = None) -> Any:
         log.warning("%s failed: %s", getattr(fn, "__qualname__", "a sink call"), exc)
         return default
 
-
-def _write_profile(profiler, path: Path) -> None:
-    import pstats
-    out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(35)
-    stats.sort_stats("cumulative").print_stats(35)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(out.getvalue())
-    except OSError as exc:
-        log.warning("cannot write the loop profile %s: %s", path, exc)

@@ -25,6 +25,9 @@ class ScriptedEngine:
     def add_request(self, prompt, params, request_id):
         if prompt == "too long":
             raise ValueError("prompt has 9999 tokens; the context length is 64")
+        if prompt == "slow reject":  # tracked by the loop for a moment, then refused
+            time.sleep(0.002)
+            raise ValueError("rejected")
         with self.lock:
             self.reqs[request_id] = {"params": params, "made": [0] * params.n, "abort": False,
                                      "score": None}
@@ -205,10 +208,16 @@ def test_no_sink_is_touched_after_its_final_response_while_cancellation_is_polle
     sinks = [RecordingSink() for _ in range(300)]
     for i, sink in enumerate(sinks):
         loop.submit(generate(max_new_tokens=1 + i % 3, stream=i % 2 == 0), sink)
+    rejected = [RecordingSink() for _ in range(100)]  # refused while the loop polls them
+    for sink in rejected:
+        loop.submit(generate("slow reject", max_new_tokens=500), sink)
+        assert sink.errors == [("rejected", False)]
+    sinks += rejected
     assert all(sink.closed.wait(10) for sink in sinks)
     time.sleep(0.05)  # let the cancellation watcher make a few more rounds
     assert sum(sink.calls_after_final for sink in sinks) == 0
-    assert all(len([1 for _, final in sink.responses if final]) == 1 for sink in sinks)
+    assert all(len([1 for _, final in sink.responses if final]) + len(sink.errors) == 1
+               for sink in sinks)
 
 
 def test_non_streaming_sends_one_response_with_everything_and_the_prompt(loop):
