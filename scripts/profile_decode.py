@@ -54,17 +54,18 @@ def busy_us(events) -> float:
     return total
 
 
-def fill(eng: Engine, batch: int, n_in: int) -> None:
-    for i in range(batch):
-        eng.add_request([100 + (i * 7 + j) % 1000 for j in range(n_in)],
-                        SamplingParams(max_new_tokens=100_000, temperature=0.0, ignore_eos=True))
+def fill(eng: Engine, batch: int, n_in: int) -> list[str]:
+    rids = [eng.add_request([100 + (i * 7 + j) % 1000 for j in range(n_in)],
+                            SamplingParams(max_new_tokens=100_000, temperature=0.0, ignore_eos=True))
+            for i in range(batch)]
     for _ in range(30):
         eng.step()
     sync()
+    return rids
 
 
-def drain(eng: Engine) -> None:
-    for rid in list(eng._groups):
+def drain(eng: Engine, rids: list[str]) -> None:
+    for rid in rids:
         eng.abort(rid)
     while eng.has_work():
         eng.step()
@@ -101,7 +102,7 @@ def device_gaps(eng: Engine, steps: int) -> dict:
 
 
 def profile_one(eng: Engine, batch: int, n_in: int, report: list[str]) -> dict:
-    fill(eng, batch, n_in)
+    rids = fill(eng, batch, n_in)
     gaps = device_gaps(eng, 60) if DEVICE == "cuda" else {}
     t = time.perf_counter()
     for _ in range(100):
@@ -129,7 +130,7 @@ def profile_one(eng: Engine, batch: int, n_in: int, report: list[str]) -> dict:
     cp.disable()
     buf = io.StringIO()
     pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(16)
-    drain(eng)
+    drain(eng, rids)
     res = {"batch": batch, "wall_ms_per_step": round(wall_ms, 3),
            "profiled_wall_ms_per_step": round(prof_wall_ms, 3),
            "device_busy_ms_per_step": round(busy_ms, 3),
