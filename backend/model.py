@@ -29,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import wire
 from backend.core import Engine
+from backend.engine_process import EngineProcess, child_python
 from backend.metrics import EngineMetrics
 from backend.serving import EngineLoop
 from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
@@ -145,6 +146,15 @@ def watch_stop_signals() -> threading.Event | None:
     return stopping
 
 
+def _flag(text: str, name: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"model parameter {name!r} must be true or false, got {text!r}")
+
+
 def _read_inputs(request) -> dict[str, np.ndarray]:
     inputs = {}
     for name in wire.INPUT_NAMES:
@@ -194,14 +204,20 @@ class TritonPythonModel:
             device = f"cuda:{args['model_instance_device_id']}"
             config = dataclasses.replace(config, device=device)
 
-        # This stub process runs the engine loop and the response senders as threads
-        # of one interpreter. With the default 5 ms GIL
-        # switch interval the engine thread, after each GIL-releasing CUDA wait, could
-        # queue up to 5 ms behind the sender building responses: on the H200 a 2.5 ms
-        # decode step took 18 ms behind tritonserver. A short interval bounds that wait.
+        # The routing thread and the response senders share this interpreter (and, with
+        # engine_process false, the engine's step loop too). With the default 5 ms GIL
+        # switch interval a thread woken from a GIL-releasing wait (a CUDA sync, a socket
+        # read) could queue up to 5 ms behind a sender building a response. A short
+        # interval bounds that wait.
         sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
         self.logger.log_info(f"radixlm: building the engine: {config}")
-        self.engine = Engine(config)
+        if _flag(parameters.get("engine_process", "true"), "engine_process"):
+            # its own process: the step loop never waits for this interpreter's lock
+            self.engine = EngineProcess(config)
+            self.logger.log_info(f"radixlm: the engine runs in process {self.engine.pid} "
+                                 f"({child_python()})")
+        else:
+            self.engine = Engine(config)
         self.model_name = args["model_name"]
         self.stop_signal = watch_stop_signals()
         if self.stop_signal is None:
@@ -280,6 +296,8 @@ class TritonPythonModel:
         if loop is not None:
             loop.stop()
             self.logger.log_info("radixlm: engine loop stopped")
+        if isinstance(getattr(self, "engine", None), EngineProcess):
+            self.engine.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()  # the metrics before their families
             self.metrics = None

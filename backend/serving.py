@@ -533,7 +533,10 @@ class EngineLoop:
         """Shutdown: abort everything and step until the engine has sent the aborts."""
         self._abort_pending()
         deadline = time.monotonic() + budget_s
-        while self.num_active() and time.monotonic() < deadline and self.engine.has_work():
+        while self.num_active() and time.monotonic() < deadline:
+            # an engine in another process has work whose outputs are still on the way
+            if not self.engine.has_work() and not self.engine.wait_for_work(0.1):
+                break
             self._step()
         self._fail_all("the model is shutting down")
         self._answer_stats()

@@ -55,6 +55,10 @@ RESERVED_PARAMETERS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, DEBUG)
 # config.pbtxt parameters that describe the model to clients (published by the backend
 # from the model's tokenizer files when config.pbtxt does not set them); not engine settings.
 MODEL_INFO_PARAMETERS = ("chat_template", "eos_token", "bos_token")
+# config.pbtxt parameters of the serving layer, not of EngineConfig: engine_process
+# ("true", the default: the engine steps in a child process of the stub; "false": in a
+# thread of the stub)
+SERVING_PARAMETERS = ("engine_process",)
 
 INPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": dims, "optional": True}
                     for name, dtype, dims in (
@@ -232,7 +236,7 @@ def engine_config_from_parameters(parameters: Mapping[str, str],
     fields = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
     kwargs: dict[str, Any] = {}
     for key, text in parameters.items():
-        if key.isupper() or key in MODEL_INFO_PARAMETERS:
+        if key.isupper() or key in MODEL_INFO_PARAMETERS or key in SERVING_PARAMETERS:
             continue
         if key not in fields:
             raise ValueError(f"unknown model parameter {key!r}; known: {', '.join(sorted(fields))}")

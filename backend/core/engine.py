@@ -175,6 +175,10 @@ class Engine:
             return True
         return self._work.wait(timeout)
 
+    def wake(self) -> None:
+        """End a ``wait_for_work`` early (the caller has something else to do)."""
+        self._work.set()
+
     def step(self) -> list[StepOutput]:
         """One scheduling round. With overlap on, the step launched here runs on the device
         while the host reads and accounts for the previous one; otherwise each step is

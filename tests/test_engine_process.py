@@ -1,0 +1,199 @@
+"""The engine in a child process (backend/engine_process.py), alone and under EngineLoop:
+same tokens as the engine in-process, bad prompts fail alone, aborts free their KV slots,
+a dead child fails what is pending, and the child ends with its stub."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from backend import wire
+from backend.core import SamplingParams
+from backend.engine_process import EngineProcess, EngineProcessDied
+from backend.serving import EngineLoop
+from engine_helpers import make_engine, random_prompts, tiny_model
+from test_server_loop import RecordingSink
+
+SETTINGS = dict(device="cpu", dtype="float32", max_total_tokens=4096, max_running_requests=32,
+                max_prefill_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("engine_process"), "llama")
+
+
+@pytest.fixture(scope="module")
+def remote(model_path):
+    from backend.core import EngineConfig
+
+    engine = EngineProcess(EngineConfig(model_path=str(model_path), **SETTINGS))
+    yield engine
+    engine.close()
+
+
+def run_until_finished(engine, expected: int, timeout_s: float = 60.0) -> list:
+    outputs, finished = [], 0
+    deadline = time.monotonic() + timeout_s
+    while finished < expected:
+        assert time.monotonic() < deadline, f"only {finished} of {expected} finished"
+        if engine.has_work() or engine.wait_for_work(0.5):
+            new = engine.step()
+            outputs += new
+            finished += sum(o.finished for o in new)
+    return outputs
+
+
+def by_request(outputs) -> dict[str, list[int]]:
+    ids: dict[str, list[int]] = {}
+    for o in outputs:
+        ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return ids
+
+
+def test_tokens_match_the_engine_in_process(remote, model_path):
+    prompts = random_prompts(6, 200, seed=3, min_len=3, max_len=30)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [r.token_ids for r in make_engine(model_path).generate(prompts, params)]
+    for i, p in enumerate(prompts):
+        remote.add_request(p, params, request_id=f"r{i}")
+    got = by_request(run_until_finished(remote, len(prompts)))
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    remote.check_integrity()
+    stats = remote.stats()
+    assert stats["generated_tokens"] >= 6 * 12
+    assert stats["engine_loop"]["steps"] >= 12
+
+
+def test_a_bad_prompt_fails_alone_and_the_others_finish(remote):
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    remote.add_request([], params, request_id="empty")
+    remote.add_request([12, 13, 14], params, request_id="good")
+    remote.add_request([10 + i % 900 for i in range(5000)], params, request_id="too-long")
+    outputs = run_until_finished(remote, 3)
+    errors = {o.request_id: o.error for o in outputs if o.error}
+    assert set(errors) == {"empty", "too-long"}
+    assert "empty" in errors["empty"] and "tokens" in errors["too-long"]
+    assert len(by_request(outputs)["good"]) == 5
+    remote.check_integrity()
+
+
+def test_abort_frees_the_requests_kv_slots(remote):
+    params = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    remote.add_request([20, 21, 22, 23], params, request_id="long")
+    first = []
+    while not first:
+        remote.wait_for_work(1.0)
+        first = [o for o in remote.step() if o.new_token_ids]
+    remote.abort("long")
+    outputs = run_until_finished(remote, 1)
+    assert outputs[-1].finish_reason == "abort"
+    assert len(by_request(first + outputs)["long"]) < 400
+    stats = remote.stats()
+    assert stats["kv_tokens_in_use_by_requests"] == 0 and stats["num_running"] == 0
+    remote.check_integrity()
+
+
+def test_under_the_engine_loop_streams_and_scores(remote):
+    loop = EngineLoop(remote, idle_wait_s=0.01, cancel_poll_s=0.01)
+    loop.start()
+    try:
+        stream, score, bad = RecordingSink(), RecordingSink(), RecordingSink()
+        loop.submit(wire.GenerateJob([30, 31, 32], SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                                  ignore_eos=True), True, False), stream)
+        loop.submit(wire.ScoreJob([30, 31, 32], ["a", "b c"]), score)
+        loop.submit(wire.GenerateJob([], SamplingParams(), True, False), bad)
+        for sink in (stream, score, bad):
+            assert sink.closed.wait(60)
+        assert sum(len(o[wire.OUTPUT_IDS]) for o, _ in stream.responses) == 6
+        assert [final for _, final in stream.responses][-1] is True
+        assert len(score.responses) == 1 and score.responses[0][1] is True
+        assert bad.errors and "empty" in bad.errors[0][0]
+        assert loop.num_active() == 0
+    finally:
+        loop.stop(timeout_s=10)
+    remote.check_integrity()
+
+
+def test_sigterm_to_the_child_is_ignored(remote):
+    os.kill(remote.pid, signal.SIGTERM)  # what a signal to the server's process group does
+    time.sleep(0.3)
+    remote.add_request([40, 41], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+                       request_id="after-sigterm")
+    assert len(by_request(run_until_finished(remote, 1))["after-sigterm"]) == 3
+
+
+def test_a_dead_child_fails_pending_requests_through_the_loop(model_path):
+    from backend.core import EngineConfig
+
+    engine = EngineProcess(EngineConfig(model_path=str(model_path), **SETTINGS))
+    deaths = []
+    loop = EngineLoop(engine, idle_wait_s=0.01, cancel_poll_s=0.01, on_death=deaths.append,
+                      on_error=lambda message: None)
+    loop.start()
+    try:
+        sink = RecordingSink()
+        loop.submit(wire.GenerateJob([50, 51], SamplingParams(max_new_tokens=4000, temperature=0.0,
+                                                              ignore_eos=True), True, False), sink)
+        deadline = time.monotonic() + 60
+        while not sink.responses:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(engine.pid, signal.SIGKILL)
+        assert sink.closed.wait(30)
+        assert sink.errors and "engine" in sink.errors[-1][0]
+        while not deaths:  # reported after every pending request got its error
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert "exited" in deaths[0]
+        later = RecordingSink()
+        loop.submit(wire.GenerateJob([1], SamplingParams(), True, False), later)
+        assert later.errors and "not running" in later.errors[0][0]
+    finally:
+        loop.stop(timeout_s=10)
+        engine.close(timeout_s=1)
+
+
+def test_the_child_exits_when_its_stub_goes_away(model_path, tmp_path):
+    """A stub killed outright (SIGKILL) cannot say "close": its engine process notices
+    the closed socket and exits instead of holding the GPU."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stub.py"
+    script.write_text(
+        "import sys, time\n"
+        "from backend.core import EngineConfig\n"
+        "from backend.engine_process import EngineProcess\n"
+        f"e = EngineProcess(EngineConfig(model_path={str(model_path)!r}, **{SETTINGS!r}))\n"
+        "print(e.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    stub = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.getcwd())
+    try:
+        child = int(stub.stdout.readline())
+        stub.kill()
+        stub.wait(10)
+        deadline = time.monotonic() + 30
+        while _alive(child):
+            assert time.monotonic() < deadline, "the engine process outlived its stub"
+            time.sleep(0.05)
+    finally:
+        stub.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_a_model_that_cannot_load_fails_the_start_with_the_reason(tmp_path):
+    from backend.core import EngineConfig
+
+    with pytest.raises(EngineProcessDied, match="building the engine failed"):
+        EngineProcess(EngineConfig(model_path=str(tmp_path / "missing"), **SETTINGS))
