@@ -101,9 +101,43 @@ def device_gaps(eng: Engine, steps: int) -> dict:
             "gap_ms_p90": round(pct(gaps, 0.9), 3)}
 
 
+def launch_syncs(eng: Engine, steps: int) -> list[str]:
+    """Where a step's launch makes the host wait for the device (torch's sync debug mode
+    flags each implicit synchronization): a launch that syncs cannot overlap anything.
+    Returns the distinct project source lines that triggered one."""
+    import warnings
+
+    fs = eng.forward_step
+    launch = fs.launch
+    sites: set[str] = set()
+
+    def checked_launch(items):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(items)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                for w in caught:  # a C++ warning points at the Python line that called in
+                    where = f"{w.filename.split('/backend/')[-1]}:{w.lineno}"
+                    sites.add(f"{where}: {str(w.message).splitlines()[0][:120]}")
+
+    fs.launch = checked_launch
+    try:
+        for _ in range(steps):
+            eng.step()
+        sync()
+    finally:
+        fs.launch = launch
+    return sorted(sites)
+
+
 def profile_one(eng: Engine, batch: int, n_in: int, report: list[str]) -> dict:
     rids = fill(eng, batch, n_in)
     gaps = device_gaps(eng, 60) if DEVICE == "cuda" else {}
+    if DEVICE == "cuda":
+        gaps["launch_sync_sites"] = launch_syncs(eng, 10)
     t = time.perf_counter()
     for _ in range(100):
         eng.step()

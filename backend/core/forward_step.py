@@ -74,7 +74,7 @@ class ForwardStep:
         sampled = [it for it in items if it.samples]
         result = tokens_host = done = None
         if sampled:
-            result = self._sample(logits[sample_rows], [it.req for it in sampled])
+            result = self._sample(self._rows(logits, sample_rows), [it.req for it in sampled])
             if result.token_ids.is_cuda:
                 tokens_host = torch.empty(result.token_ids.shape, dtype=torch.int64, pin_memory=True)
                 tokens_host.copy_(result.token_ids, non_blocking=True)
@@ -114,6 +114,15 @@ class ForwardStep:
                                    device=self.engine.runner.device)
         batch.extra["num_placeholders"] = sum(1 for t in input_ids if t < 0)
         return batch, prompt_rows, sample_rows
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``logits[rows]`` without a host sync. Indexing a CUDA tensor with a Python list
+        copies the list from pageable memory, which waits for the stream to drain: the
+        host would wait for this step's forward before building the next one."""
+        if len(rows) == logits.shape[0]:  # increasing and distinct: every row, in order
+            return logits
+        return logits.index_select(0, to_device(rows, logits.device))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
         rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, r.generator) for r in reqs]
