@@ -305,3 +305,33 @@ def test_length_bounded_strings_hold_no_raw_control_characters(backend, tok, see
     text = tok.decode(_decode(backend, state, seed))
     assert not any(ord(c) < 0x20 for c in text), repr(text)
     assert len(json.loads(text)["s"]) <= 12
+
+
+def test_batched_mask_fill_equals_one_row_at_a_time(backend, tok):
+    """fill_bitmasks (one multi-threaded xgrammar call) writes exactly what per-row fills
+    write: several grammars at different positions, a terminated state, rows left alone."""
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                          "n": {"type": "integer"}},
+                         "required": ["name", "n"]})
+    states = []
+    for kind, text, prefix in [("json_schema", schema, '{"name": "a'), ("json_schema", schema, ""),
+                               ("regex", "[0-9]{3}-x", "12"), ("json_object", "", '{"k": [1, '),
+                               ("choices", json.dumps(["yes", "no way"]), "no")]:
+        state = backend.create_state(_compile(backend, kind, text))
+        assert state.accept_tokens(tok.encode(prefix, add_special_tokens=False)) or not prefix
+        states.append(state)
+    done = backend.create_state(_compile(backend, "regex", "ab"))
+    assert done.accept_tokens(tok.encode("ab", add_special_tokens=False) + [tok.eos_token_id])
+    assert done.is_terminated()
+    states.append(done)
+    rows = [0, 2, 3, 5, 6, 7]  # rows 1 and 4 unconstrained
+    expected = backend.allocate_bitmask(8)
+    expected.fill_(7)
+    for state, row in zip(states, rows):
+        state.fill_bitmask(expected, row)
+    got = backend.allocate_bitmask(8)
+    got.fill_(7)
+    backend.fill_bitmasks(got, list(zip(states, rows)))
+    assert torch.equal(got, expected)
+    assert (got[1] == 7).all() and (got[4] == 7).all()
+    assert not torch.equal(got[0], got[2])  # the masks differ by position, so this compares

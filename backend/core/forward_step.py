@@ -131,7 +131,6 @@ class ForwardStep:
         if constrained:
             grammar = self.engine.grammar
             bitmask = grammar.allocate_bitmask(len(reqs))
-            for i in constrained:
-                reqs[i].grammar.fill_bitmask(bitmask, i)
+            grammar.fill_bitmasks(bitmask, [(reqs[i].grammar, i) for i in constrained])
             grammar.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), constrained)
         return sample(logits, rows, num_top_logprobs=top if top > 1 else 0, want_logprobs=top > 0)
