@@ -15,7 +15,8 @@
 # a share of what is left, passed to the script as --budget-s; the script records the items
 # that do not fit as "skipped". Items already measured (status ok) in
 # benchmarks/gpu/results/*.jsonl or in this run's results are skipped (resume), unless
-# BENCH_FRESH=1 (then only this run's results count).
+# BENCH_FRESH=1 (then only this run's results count). BENCH_ONLY=REGEX runs only the steps
+# whose name ("engine llama-1b", "hf llama-8b", "overlap-off llama-1b", ...) matches.
 # Output: $OUT/results.jsonl, $OUT/log.txt, $OUT/server-<model>.log on the device machine
 # ($OUT unset: benchmarks/gpu/results/local/). BENCH_QUICK=1: CPU dry run, tiny sizes.
 set -uo pipefail
@@ -55,6 +56,9 @@ cap() { (( $1 < $2 )) && echo "$1" || echo "$2"; }
 
 step() {  # step NAME BUDGET CMD... (the command gets --budget-s BUDGET appended by callers)
   local name="$1" b="$2"; shift 2
+  if [ -n "${BENCH_ONLY:-}" ] && ! [[ "$name" =~ $BENCH_ONLY ]]; then
+    echo "== $name: not selected (BENCH_ONLY=$BENCH_ONLY)"; return 0
+  fi
   if (( b < 25 )); then echo "== $name: SKIPPED (${b}s left in the deadline)"; return 0; fi
   local hard=$(( b + 40 )); local l; l=$(left); (( hard > l - 5 )) && hard=$(( l - 5 ))
   (( hard < 10 )) && hard=10
