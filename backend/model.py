@@ -52,12 +52,12 @@ class TritonResponseSink:
         # Only the outputs the client asked for (none named: all of them). Each output
         # tensor is one more shared-memory block per streamed response.
         try:
-            self._wanted = frozenset(request.requested_output_names()) or None
+            self.wanted = frozenset(request.requested_output_names()) or None
         except AttributeError:  # an older python backend
-            self._wanted = None
+            self.wanted = None
 
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
-        wanted = self._wanted
+        wanted = self.wanted
         tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()
                    if wanted is None or name in wanted]
         self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
@@ -231,6 +231,7 @@ class TritonPythonModel:
             self.metrics.start()
         self.fault_injection = os.environ.get(FAULT_INJECTION) == "1"
         self.loop = EngineLoop(self.engine, on_error=self.logger.log_error,
+                               sender_threads=int(os.environ.get("RADIXLM_SENDER_THREADS", "2")),
                                on_info=self.logger.log_info,
                                server_stopping=self._server_stopping,
                                metrics=self.metrics, on_death=self._on_engine_death)

@@ -53,6 +53,9 @@ PROFILE_ENV = "RADIXLM_PROFILE_DIR"  # set: the loop thread is profiled into thi
 class ResponseSink(Protocol):
     """Where one request's responses go (a Triton response sender, or a test double)."""
 
+    # the outputs the client asked for (None: all); a sink may leave it out
+    wanted: frozenset[str] | None
+
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
     def send_error(self, message: str, cancelled: bool = False) -> None: ...  # always final
     def is_cancelled(self) -> bool: ...
@@ -493,7 +496,8 @@ class EngineLoop:
             finish_reason=out.finish_reason if out.finished else None,
             num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
             num_cached_tokens=out.num_cached_tokens, index=out.index,
-            logprobs=logprobs if tracked.job.params.logprobs else None)
+            logprobs=logprobs if tracked.job.params.logprobs else None,
+            wanted=getattr(tracked.sink, "wanted", None))
 
     def _deliver_delta(self, delta: _Delta) -> None:
         """On a sender thread: one streamed response (several steps' output, merged)."""

@@ -293,20 +293,23 @@ def logprobs_json(logprobs: list) -> str:
 def generation_outputs(*, text: str, token_ids: list[int], context_ids: list[int],
                        finish_reason: str | None, num_input_tokens: int,
                        num_output_tokens: int, num_cached_tokens: int, index: int,
-                       logprobs: list | None) -> dict[str, np.ndarray]:
-    outputs = {
-        TEXT_OUTPUT: _bytes(text),
-        OUTPUT_IDS: np.asarray(token_ids, dtype=np.int32),
-        FINISH_REASON: _bytes(finish_reason or ""),
-        NUM_INPUT_TOKENS: _int32(num_input_tokens),
-        NUM_OUTPUT_TOKENS: _int32(num_output_tokens),
-        NUM_CACHED_TOKENS: _int32(num_cached_tokens),
-        INDEX: _int32(index),
-        CONTEXT_IDS: np.asarray(context_ids, dtype=np.int32),
+                       logprobs: list | None,
+                       wanted: frozenset[str] | None = None) -> dict[str, np.ndarray]:
+    """The response tensors; with ``wanted`` (the outputs the client asked for) only
+    those are built (a streamed response is built once per token)."""
+    makers = {
+        TEXT_OUTPUT: lambda: _bytes(text),
+        OUTPUT_IDS: lambda: np.asarray(token_ids, dtype=np.int32),
+        FINISH_REASON: lambda: _bytes(finish_reason or ""),
+        NUM_INPUT_TOKENS: lambda: _int32(num_input_tokens),
+        NUM_OUTPUT_TOKENS: lambda: _int32(num_output_tokens),
+        NUM_CACHED_TOKENS: lambda: _int32(num_cached_tokens),
+        INDEX: lambda: _int32(index),
+        CONTEXT_IDS: lambda: np.asarray(context_ids, dtype=np.int32),
     }
     if logprobs is not None:
-        outputs[LOGPROBS] = _bytes(logprobs_json(logprobs))
-    return outputs
+        makers[LOGPROBS] = lambda: _bytes(logprobs_json(logprobs))
+    return {name: make() for name, make in makers.items() if wanted is None or name in wanted}
 
 
 def merge_samples(payloads: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -319,7 +322,8 @@ def merge_samples(payloads: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray
         return payloads[0]
     merged = {name: np.concatenate([p[name] for p in payloads])
               for name in payloads[0] if name not in (LOGPROBS, CONTEXT_IDS)}
-    merged[CONTEXT_IDS] = payloads[0][CONTEXT_IDS]  # the prompt's tail: the same for all
+    if CONTEXT_IDS in payloads[0]:
+        merged[CONTEXT_IDS] = payloads[0][CONTEXT_IDS]  # the prompt's tail: the same for all
     if LOGPROBS in payloads[0]:
         merged[LOGPROBS] = _bytes(json.dumps([json.loads(p[LOGPROBS][0]) for p in payloads]))
     return merged

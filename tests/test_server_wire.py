@@ -147,3 +147,16 @@ def test_model_info_comes_from_the_tokenizer_files(tmp_path):
     info = wire.read_model_info({"model_path": str(tmp_path)}, [])
     assert info == {"chat_template": "{{ new }}", "eos_token": "</s>", "bos_token": "<s>"}
     assert wire.read_model_info({"model_path": str(tmp_path / "gone")}, []) == {}
+
+
+def test_generation_outputs_builds_only_the_requested_tensors():
+    kwargs = dict(text="héllo", token_ids=[5, 6], context_ids=[4], finish_reason=None,
+                  num_input_tokens=3, num_output_tokens=2, num_cached_tokens=1, index=0,
+                  logprobs=None)
+    everything = wire.generation_outputs(**kwargs)
+    assert wire.TEXT_OUTPUT in everything and wire.CONTEXT_IDS in everything
+    some = wire.generation_outputs(**kwargs, wanted=frozenset({wire.OUTPUT_IDS, wire.FINISH_REASON}))
+    assert set(some) == {wire.OUTPUT_IDS, wire.FINISH_REASON}
+    assert some[wire.OUTPUT_IDS].tolist() == [5, 6] and some[wire.FINISH_REASON][0] == b""
+    merged = wire.merge_samples([some, some])  # n > 1 without context_ids requested
+    assert merged[wire.OUTPUT_IDS].tolist() == [5, 6, 5, 6] and wire.CONTEXT_IDS not in merged
