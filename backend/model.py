@@ -17,6 +17,7 @@ server up, answering the model's requests with the error.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -235,6 +236,11 @@ class TritonPythonModel:
                                on_info=self.logger.log_info,
                                server_stopping=self._server_stopping,
                                metrics=self.metrics, on_death=self._on_engine_death)
+        # Everything loaded so far lives as long as the stub: keep the cyclic collector
+        # from walking it (a full collection of torch + transformers stalls every
+        # thread here for 100+ ms).
+        gc.collect()
+        gc.freeze()
         self.loop.start()
         self.logger.log_info("radixlm: engine ready")
 

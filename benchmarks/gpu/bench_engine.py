@@ -629,6 +629,8 @@ def main(argv=None) -> int:
         sync(torch, args.device)
         init_s = time.perf_counter() - t
         warm_s = warmup(eng, SamplingParams, args, torch)
+        gc.collect()  # as the serving processes do: what is loaded stays out of the collector
+        gc.freeze()
         st = {"init_s": round(init_s, 2), "warmup_s": round(warm_s, 2),
               "kv_pool_tokens": eng.runner.kv_pool.size, "engine_config": kw,
               "torch": torch.__version__}

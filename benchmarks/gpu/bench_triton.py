@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     ap.add_argument("--server-log", default=None, help="keep the server log here")
     ap.add_argument("--server-pidfile", default=None,
                     help="write the server's process group id here while it runs")
-    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--client-procs", type=int, default=8)
     ap.add_argument("--server-profile-dir", default=None,
                     help="profile the server's engine loop thread (cProfile text) into this folder")
     ap.add_argument("--engine-param", action="append", default=[],
