@@ -86,13 +86,7 @@ def device_gaps(eng: Engine, steps: int) -> dict:
         marks.append((start, end))
         return flight
 
-    fs.launch = timed_launch
-    try:
-        for _ in range(steps):
-            eng.step()
-        sync()
-    finally:
-        fs.launch = launch
+    run_wrapped(eng, timed_launch, steps)
     busy = sorted(s.elapsed_time(e) for s, e in marks)
     gaps = sorted(marks[k][1].elapsed_time(marks[k + 1][0]) for k in range(len(marks) - 1))
     pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
@@ -120,17 +114,25 @@ def launch_syncs(eng: Engine, steps: int) -> list[str]:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
                 for w in caught:  # a C++ warning points at the Python line that called in
-                    where = f"{w.filename.split('/backend/')[-1]}:{w.lineno}"
-                    sites.add(f"{where}: {str(w.message).splitlines()[0][:120]}")
+                    if "/backend/" in w.filename:  # (torch's own notice about the mode is not one)
+                        where = f"{w.filename.split('/backend/')[-1]}:{w.lineno}"
+                        sites.add(f"{where}: {str(w.message).splitlines()[0][:120]}")
 
-    fs.launch = checked_launch
+    run_wrapped(eng, checked_launch, steps)
+    return sorted(sites)
+
+
+def run_wrapped(eng: Engine, wrapped_launch, steps: int) -> None:
+    """``steps`` engine steps with ``forward_step.launch`` replaced by ``wrapped_launch``."""
+    fs = eng.forward_step
+    launch = fs.launch
+    fs.launch = wrapped_launch
     try:
         for _ in range(steps):
             eng.step()
         sync()
     finally:
         fs.launch = launch
-    return sorted(sites)
 
 
 def profile_one(eng: Engine, batch: int, n_in: int, report: list[str]) -> dict:
