@@ -16,6 +16,7 @@ server up, answering the model's requests with the error.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -23,6 +24,8 @@ import os
 import signal
 import sys
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +47,48 @@ FAULT_INJECTION = "RADIXLM_FAULT_INJECTION"
 FAIL_ENGINE_LOOP = "fail_engine_loop"
 
 
+class _IpcGate:
+    """Orders this stub's calls into the server process. Response sends (and the other
+    per-request and metric calls) may run on several threads at once; a readiness query
+    (``pb_utils.is_model_ready``) runs alone: run beside a send it crashed the stub
+    (SIGSEGV, Triton 2.51), so that the model could not unload at shutdown."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._shared = 0
+        self._exclusive_waiting = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cv:
+            self._cv.wait_for(lambda: not self._exclusive and not self._exclusive_waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._shared -= 1
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self._cv:
+            self._exclusive_waiting += 1
+            self._cv.wait_for(lambda: not self._exclusive and not self._shared)
+            self._exclusive_waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._exclusive = False
+                self._cv.notify_all()
+
+
+IPC = _IpcGate()
+
+
 class TritonResponseSink:
     """``serving.ResponseSink`` over one request's response sender."""
 
@@ -61,18 +106,56 @@ class TritonResponseSink:
         wanted = self.wanted
         tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()
                    if wanted is None or name in wanted]
-        self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
-                          flags=_FINAL if final else 0)
+        try:
+            with IPC.shared():
+                self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
+                                  flags=_FINAL if final else 0)
+        finally:
+            if final:
+                self._release()
 
     def send_error(self, message: str, cancelled: bool = False) -> None:
         code = pb_utils.TritonError.CANCELLED if cancelled else pb_utils.TritonError.INVALID_ARG
         error = pb_utils.TritonError(message, code)
-        self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=_FINAL)
+        try:
+            with IPC.shared():
+                self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                                  flags=_FINAL)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the request at its final response. Triton counts a request in flight
+        (and will not unload the model) until the stub's request object is destroyed;
+        the bookkeeping that still points at this sink may sit in a reference cycle that
+        only the cyclic collector frees, and this process allocates too little for that
+        to run soon."""
+        self._request = None
+        self._sender = None
 
     def is_cancelled(self) -> bool:
         # One IPC round trip to the server process (~30-70 us): the loop polls it for
         # every pending request, so ask once (the request's flag is the sender's too).
-        return self._request.is_cancelled()
+        request = self._request
+        if request is None:
+            return True
+        with IPC.shared():
+            return request.is_cancelled()
+
+
+class _Gated:
+    """A Triton metric whose updates (IPC to the server) take the shared side of IPC."""
+
+    def __init__(self, metric) -> None:
+        self._metric = metric
+
+    def __getattr__(self, name):
+        method = getattr(self._metric, name)
+
+        def call(*args, **kwargs):
+            with IPC.shared():
+                return method(*args, **kwargs)
+        return call
 
 
 class TritonMetricFactory:
@@ -89,16 +172,16 @@ class TritonMetricFactory:
         return self._families[name]
 
     def counter(self, name, description, labels):
-        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+        return _Gated(self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels))
 
     def gauge(self, name, description, labels):
-        return self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+        return _Gated(self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=labels))
 
     def histogram(self, name, description, labels, buckets):
         kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)  # Triton 2.49+
         if kind is None:
             raise NotImplementedError("this Python backend has no histogram metrics")
-        return self._family(name, description, kind).Metric(labels=labels, buckets=list(buckets))
+        return _Gated(self._family(name, description, kind).Metric(labels=labels, buckets=list(buckets)))
 
     def close(self) -> None:
         self._families.clear()
@@ -118,6 +201,43 @@ def stop_tritonserver(logger) -> None:
         return
     logger.log_error(f"radixlm: stopping tritonserver (pid {parent}) so that it is restarted")
     os.kill(parent, signal.SIGTERM)
+
+
+def parent_ready_url(pid: int | None = None) -> str | None:
+    """tritonserver's HTTP readiness URL, from the flags of the stub's parent
+    (``--http-port``, ``--allow-http``; Triton's default port 8000); None when the parent
+    is not tritonserver or serves no HTTP."""
+    pid = pid or os.getppid()
+    try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "tritonserver":
+            return None
+        args = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return None
+    flags: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            key, eq, value = arg[2:].partition("=")
+            if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+            flags[key.replace("_", "-")] = value
+    if flags.get("allow-http", "true").lower() in ("false", "0", "no", "off"):
+        return None
+    return f"http://127.0.0.1:{flags.get('http-port', '8000')}/v2/health/ready"
+
+
+def server_not_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """True when tritonserver says it is not ready (shutting down) or no longer
+    answers; False when ready or when the answer did not come in time."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+            return answer.status != 200
+    except urllib.error.HTTPError:
+        return True  # "Server not ready"
+    except (urllib.error.URLError, ConnectionError) as exc:
+        return not isinstance(getattr(exc, "reason", None), TimeoutError)
+    except TimeoutError:
+        return False
 
 
 def watch_stop_signals() -> threading.Event | None:
@@ -147,13 +267,18 @@ def watch_stop_signals() -> threading.Event | None:
     return stopping
 
 
-def _flag(text: str, name: str) -> bool:
+def _engine_process_wanted(text: str, device: str) -> bool:
+    """``engine_process``: true, false, or auto (the default: on for CUDA devices, where
+    the host's per-step work competes with response sending; on CPU the forward pass
+    itself is the step, and the process would only add a hop)."""
     value = text.strip().lower()
+    if value == "auto":
+        return device.startswith("cuda")
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"model parameter {name!r} must be true or false, got {text!r}")
+    raise ValueError(f"model parameter 'engine_process' must be true, false or auto, got {text!r}")
 
 
 def _read_inputs(request) -> dict[str, np.ndarray]:
@@ -212,7 +337,7 @@ class TritonPythonModel:
         # interval bounds that wait.
         sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
         self.logger.log_info(f"radixlm: building the engine: {config}")
-        if _flag(parameters.get("engine_process", "true"), "engine_process"):
+        if _engine_process_wanted(parameters.get("engine_process", "auto"), config.device):
             # its own process: the step loop never waits for this interpreter's lock
             self.engine = EngineProcess(config)
             self.logger.log_info(f"radixlm: the engine runs in process {self.engine.pid} "
@@ -221,6 +346,7 @@ class TritonPythonModel:
             self.engine = Engine(config)
         self.model_name = args["model_name"]
         self.stop_signal = watch_stop_signals()
+        self.server_ready_url = parent_ready_url()
         if self.stop_signal is None:
             self.logger.log_warn("radixlm: cannot watch SIGTERM/SIGINT here; server shutdown "
                                  "is noticed by polling the model's readiness only")
@@ -248,11 +374,16 @@ class TritonPythonModel:
         """Polled by the engine loop while requests are pending (never after finalize).
         A signal to the stub's process group is one sign; the other covers a SIGTERM to
         tritonserver alone (Kubernetes signals only the container's first process): from
-        then on Triton answers "Server not ready"."""
+        then on Triton answers "Server not ready" on its health endpoint. That endpoint
+        is asked over HTTP: ``pb_utils.is_model_ready`` crashed the stub (SIGSEGV) when
+        asked while the server was unloading models."""
         if self.stop_signal is not None and self.stop_signal.is_set():
             return True
+        if self.server_ready_url is not None:
+            return server_not_ready(self.server_ready_url)
         try:
-            return not pb_utils.is_model_ready(self.model_name)
+            with IPC.exclusive():
+                return not pb_utils.is_model_ready(self.model_name)
         except pb_utils.TritonModelException:
             return True
 

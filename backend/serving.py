@@ -177,6 +177,9 @@ class _Outbox:
             try:
                 self._deliver(items)
             finally:
+                # not kept while this thread waits for more: the items hold requests,
+                # and Triton cannot unload the model until each request is released
+                items = None
                 with self._cv:
                     self._busy.discard(rid)
                     if rid in self._queues:  # more arrived while sending

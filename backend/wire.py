@@ -56,8 +56,8 @@ RESERVED_PARAMETERS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, DEBUG)
 # from the model's tokenizer files when config.pbtxt does not set them); not engine settings.
 MODEL_INFO_PARAMETERS = ("chat_template", "eos_token", "bos_token")
 # config.pbtxt parameters of the serving layer, not of EngineConfig: engine_process
-# ("true", the default: the engine steps in a child process of the stub; "false": in a
-# thread of the stub)
+# ("auto", the default: on for CUDA devices; "true": the engine steps in a child process
+# of the stub; "false": in a thread of the stub)
 SERVING_PARAMETERS = ("engine_process",)
 
 INPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": dims, "optional": True}

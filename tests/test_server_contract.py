@@ -111,3 +111,57 @@ def test_sigterm_ends_in_flight_streams_with_a_final_response_and_exits(tmp_path
         assert "radixlm: engine loop stopped" in log and "successfully unloaded 'llm'" in log
     finally:
         _stop(server.process)
+
+
+def test_the_engine_in_its_own_process_serves_the_same_tokens_and_stops_cleanly(
+        tmp_path, reference_engine):
+    """engine_process=true (the default on GPUs) behind a real tritonserver: greedy
+    streams carry the in-process engine's tokens, a bad prompt fails alone, and SIGTERM to
+    the process group ends an in-flight stream with a final response, stops the engine
+    process and exits."""
+    import shutil
+
+    from backend.core import SamplingParams
+    from conftest import MODEL_REPOSITORY, joined
+
+    repo = tmp_path / "repo"
+    shutil.copytree(MODEL_REPOSITORY / "llm", repo / "llm")
+    config = repo / "llm" / "config.pbtxt"
+    config.write_text(config.read_text() +
+                      '\nparameters: { key: "engine_process" value: { string_value: "true" } }\n')
+    server = start_server(tmp_path / "server.log", (f"--model-repository={repo}",))
+    try:
+        log = server.log_path.read_text()
+        assert "the engine runs in process" in log
+        child = int(log.split("the engine runs in process ")[1].split()[0])
+        s = Stream(server)
+        prompts = ["The capital of France is", "Un deux trois", "def f(x):"]
+        for i, p in enumerate(prompts):
+            s.send(f"p{i}", grpc_inputs(p, GREEDY))
+        s.send("too-long", grpc_inputs("hello " * 5000, GREEDY))  # refused by the engine process
+        assert "context length" in s.next_error()
+        got = s.collect([f"p{i}" for i in range(len(prompts))])
+        want = reference_engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+        for i, w in enumerate(want):
+            assert joined(got[f"p{i}"])[1] == w.token_ids
+        s.send("long", grpc_inputs("Tell me a story.", {"temperature": 0, "max_tokens": 3000,
+                                                          "ignore_eos": True}))
+        result, error = s.events.get(timeout=60)
+        assert error is None
+        os.killpg(server.process.pid, signal.SIGTERM)
+        while True:
+            result, error = s.events.get(timeout=30)
+            assert error is None, error
+            item = response_dict(result)
+            if item["final"]:
+                break
+        assert item["finish_reason"] == "abort"
+        s.close()
+        server.process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{child}") and \
+                open(f"/proc/{child}/stat").read().split(")")[-1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the engine process outlived the server"
+            time.sleep(0.1)
+    finally:
+        _stop(server.process)
