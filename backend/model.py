@@ -16,7 +16,6 @@ server up, answering the model's requests with the error.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
@@ -47,48 +46,6 @@ FAULT_INJECTION = "RADIXLM_FAULT_INJECTION"
 FAIL_ENGINE_LOOP = "fail_engine_loop"
 
 
-class _IpcGate:
-    """Orders this stub's calls into the server process. Response sends (and the other
-    per-request and metric calls) may run on several threads at once; a readiness query
-    (``pb_utils.is_model_ready``) runs alone: run beside a send it crashed the stub
-    (SIGSEGV, Triton 2.51), so that the model could not unload at shutdown."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._shared = 0
-        self._exclusive_waiting = 0
-        self._exclusive = False
-
-    @contextlib.contextmanager
-    def shared(self):
-        with self._cv:
-            self._cv.wait_for(lambda: not self._exclusive and not self._exclusive_waiting)
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._shared -= 1
-                self._cv.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self):
-        with self._cv:
-            self._exclusive_waiting += 1
-            self._cv.wait_for(lambda: not self._exclusive and not self._shared)
-            self._exclusive_waiting -= 1
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._exclusive = False
-                self._cv.notify_all()
-
-
-IPC = _IpcGate()
-
-
 class TritonResponseSink:
     """``serving.ResponseSink`` over one request's response sender."""
 
@@ -107,9 +64,8 @@ class TritonResponseSink:
         tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()
                    if wanted is None or name in wanted]
         try:
-            with IPC.shared():
-                self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
-                                  flags=_FINAL if final else 0)
+            self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
+                              flags=_FINAL if final else 0)
         finally:
             if final:
                 self._release()
@@ -118,9 +74,8 @@ class TritonResponseSink:
         code = pb_utils.TritonError.CANCELLED if cancelled else pb_utils.TritonError.INVALID_ARG
         error = pb_utils.TritonError(message, code)
         try:
-            with IPC.shared():
-                self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
-                                  flags=_FINAL)
+            self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                              flags=_FINAL)
         finally:
             self._release()
 
@@ -137,25 +92,7 @@ class TritonResponseSink:
         # One IPC round trip to the server process (~30-70 us): the loop polls it for
         # every pending request, so ask once (the request's flag is the sender's too).
         request = self._request
-        if request is None:
-            return True
-        with IPC.shared():
-            return request.is_cancelled()
-
-
-class _Gated:
-    """A Triton metric whose updates (IPC to the server) take the shared side of IPC."""
-
-    def __init__(self, metric) -> None:
-        self._metric = metric
-
-    def __getattr__(self, name):
-        method = getattr(self._metric, name)
-
-        def call(*args, **kwargs):
-            with IPC.shared():
-                return method(*args, **kwargs)
-        return call
+        return True if request is None else request.is_cancelled()
 
 
 class TritonMetricFactory:
@@ -172,16 +109,16 @@ class TritonMetricFactory:
         return self._families[name]
 
     def counter(self, name, description, labels):
-        return _Gated(self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels))
+        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
 
     def gauge(self, name, description, labels):
-        return _Gated(self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=labels))
+        return self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
 
     def histogram(self, name, description, labels, buckets):
         kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)  # Triton 2.49+
         if kind is None:
             raise NotImplementedError("this Python backend has no histogram metrics")
-        return _Gated(self._family(name, description, kind).Metric(labels=labels, buckets=list(buckets)))
+        return self._family(name, description, kind).Metric(labels=labels, buckets=list(buckets))
 
     def close(self) -> None:
         self._families.clear()
@@ -347,6 +284,10 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.stop_signal = watch_stop_signals()
         self.server_ready_url = parent_ready_url()
+        self.logger.log_info(f"radixlm: server shutdown is read from {self.server_ready_url}"
+                             if self.server_ready_url else
+                             "radixlm: tritonserver serves no HTTP; server shutdown is read "
+                             "from the model's readiness")
         if self.stop_signal is None:
             self.logger.log_warn("radixlm: cannot watch SIGTERM/SIGINT here; server shutdown "
                                  "is noticed by polling the model's readiness only")
@@ -381,9 +322,8 @@ class TritonPythonModel:
             return True
         if self.server_ready_url is not None:
             return server_not_ready(self.server_ready_url)
-        try:
-            with IPC.exclusive():
-                return not pb_utils.is_model_ready(self.model_name)
+        try:  # no HTTP: the query that crashed during unloads is all there is
+            return not pb_utils.is_model_ready(self.model_name)
         except pb_utils.TritonModelException:
             return True
 

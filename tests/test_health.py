@@ -238,6 +238,8 @@ def test_sigterm_to_tritonserver_alone_ends_in_flight_streams_and_exits(tmp_path
         log = server.log_path.read_text()
         assert "radixlm: engine loop stopped" in log
         assert f"successfully unloaded '{SERVED_MODEL}'" in log
+        port = server.http_url.rsplit(":", 1)[1]  # read from tritonserver's own flags
+        assert f"server shutdown is read from http://127.0.0.1:{port}/v2/health/ready" in log
     finally:
         client.close()
         _stop(server.process)
