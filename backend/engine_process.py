@@ -70,8 +70,6 @@ def child_python() -> str:
 class EngineProcess:
     """An ``Engine`` running in a child process; see the module docstring."""
 
-    remote = True
-
     def __init__(self, config, start_timeout_s: float = 1800.0, python: str | None = None,
                  rpc_timeout_s: float = 60.0) -> None:
         self.config = config
@@ -80,8 +78,9 @@ class EngineProcess:
         env = dict(os.environ)
         # the child imports exactly what this interpreter can
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self.python = python or child_python()
         self._proc = subprocess.Popen(
-            [python or child_python(), "-m", "backend.engine_process", str(theirs.fileno())],
+            [self.python, "-m", "backend.engine_process", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(os.dup(ours.fileno()))

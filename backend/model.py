@@ -32,7 +32,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import wire
 from backend.core import Engine
-from backend.engine_process import EngineProcess, child_python
+from backend.engine_process import EngineProcess
 from backend.metrics import EngineMetrics
 from backend.serving import EngineLoop
 from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
@@ -204,20 +204,6 @@ def watch_stop_signals() -> threading.Event | None:
     return stopping
 
 
-def _engine_process_wanted(text: str, device: str) -> bool:
-    """``engine_process``: true, false, or auto (the default: on for CUDA devices, where
-    the host's per-step work competes with response sending; on CPU the forward pass
-    itself is the step, and the process would only add a hop)."""
-    value = text.strip().lower()
-    if value == "auto":
-        return device.startswith("cuda")
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"model parameter 'engine_process' must be true, false or auto, got {text!r}")
-
-
 def _read_inputs(request) -> dict[str, np.ndarray]:
     inputs = {}
     for name in wire.INPUT_NAMES:
@@ -274,11 +260,11 @@ class TritonPythonModel:
         # interval bounds that wait.
         sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
         self.logger.log_info(f"radixlm: building the engine: {config}")
-        if _engine_process_wanted(parameters.get("engine_process", "auto"), config.device):
+        if wire.engine_process_wanted(parameters, config.device):
             # its own process: the step loop never waits for this interpreter's lock
             self.engine = EngineProcess(config)
             self.logger.log_info(f"radixlm: the engine runs in process {self.engine.pid} "
-                                 f"({child_python()})")
+                                 f"({self.engine.python})")
         else:
             self.engine = Engine(config)
         self.model_name = args["model_name"]

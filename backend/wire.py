@@ -216,6 +216,16 @@ def _convert(key: str, annotation: str, text: str) -> Any:
     return text
 
 
+def engine_process_wanted(parameters: Mapping[str, str], device: str) -> bool:
+    """The ``engine_process`` parameter: true, false, or auto (the default: on for CUDA
+    devices, where the host's per-step work competes with response sending; on CPU the
+    forward pass itself is the step, and a process would only add a hop)."""
+    text = parameters.get("engine_process", "auto")
+    if text.strip().lower() == "auto":
+        return device.startswith("cuda")
+    return _convert("engine_process", "bool", text)
+
+
 def resolve_path(value: str, search_dirs: list[Path]) -> str:
     """An absolute path as is; a relative one against the first search dir holding it."""
     path = Path(value).expanduser()

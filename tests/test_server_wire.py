@@ -160,3 +160,16 @@ def test_generation_outputs_builds_only_the_requested_tensors():
     assert some[wire.OUTPUT_IDS].tolist() == [5, 6] and some[wire.FINISH_REASON][0] == b""
     merged = wire.merge_samples([some, some])  # n > 1 without context_ids requested
     assert merged[wire.OUTPUT_IDS].tolist() == [5, 6, 5, 6] and wire.CONTEXT_IDS not in merged
+
+
+def test_engine_process_parameter_defaults_to_the_device_and_rejects_nonsense():
+    assert wire.engine_process_wanted({}, "cuda:1") is True
+    assert wire.engine_process_wanted({}, "cpu") is False
+    assert wire.engine_process_wanted({"engine_process": " Auto "}, "cpu") is False
+    assert wire.engine_process_wanted({"engine_process": "true"}, "cpu") is True
+    assert wire.engine_process_wanted({"engine_process": "0"}, "cuda") is False
+    with pytest.raises(ValueError, match="engine_process"):
+        wire.engine_process_wanted({"engine_process": "sometimes"}, "cuda")
+    # a serving parameter, not an EngineConfig field: the engine config ignores it
+    config = wire.engine_config_from_parameters({"model_path": "/m", "engine_process": "true"}, [])
+    assert config.model_path == "/m"

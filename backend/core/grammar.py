@@ -217,11 +217,13 @@ class GrammarBackend:
         """``state.fill_bitmask(bitmask, row)`` for every pair, the live matchers in one
         multi-threaded call (a mask costs tens to hundreds of microseconds of CPU per row,
         and a step may have a hundred constrained rows)."""
-        live = [(state, row) for state, row in rows if not state.is_terminated()]
+        live = []
         for state, row in rows:
             if state.is_terminated():
-                state.fill_bitmask(bitmask, row)
-        if len(live) == 1:
+                state.fill_bitmask(bitmask, row)  # stop tokens only: not the matcher's to say
+            else:
+                live.append((state, row))
+        if len(live) == 1:  # no thread hand-off for one row
             live[0][0].fill_bitmask(bitmask, live[0][1])
         elif live:
             self._batch_matcher.batch_fill_next_token_bitmask(
