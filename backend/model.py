@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -336,6 +337,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         """Only parse and hand over: the engine loop thread sends every response."""
+        started = time.perf_counter()
         for request in requests:
             sink = TritonResponseSink(request)
             try:
@@ -353,6 +355,7 @@ class TritonPythonModel:
                 sink.send_error(f"internal error: {exc}")
                 continue
             self.loop.submit(job, sink)
+        self.loop.note_intake(started, time.perf_counter(), len(requests))
         return None
 
     def finalize(self) -> None:

@@ -48,6 +48,7 @@ from backend import wire
 
 log = logging.getLogger("radixlm.serving")
 PROFILE_ENV = "RADIXLM_PROFILE_DIR"  # set: the loop thread is profiled into this folder
+BURST_GAP_S = 0.002  # hand-overs closer than this count as one burst in the intake stats
 
 
 class ResponseSink(Protocol):
@@ -239,12 +240,29 @@ class EngineLoop:
         self._outbox = _Outbox(self._deliver_delta, sender_threads)
         # where the loop thread's time goes (seconds; in debug stats)
         self.timings: dict[str, float] = {"step_s": 0.0, "route_s": 0.0, "idle_s": 0.0, "steps": 0}
+        # the serving layer's request intake (written by its thread through note_intake)
+        self.timings.update(intake_requests=0, intake_s=0.0, intake_burst_gaps=0,
+                            intake_burst_gap_s=0.0)
+        self._last_intake_end: float | None = None
         self._profiler = None
         self._profile_path: Path | None = None
 
     def start(self) -> None:
         self._outbox.start()
         self._thread.start()
+
+    def note_intake(self, started: float, ended: float, requests: int) -> None:
+        """Account one hand-over of ``requests`` requests (perf_counter times): the
+        seconds spent parsing and submitting them, and, when it came right after the
+        previous one (a burst), the gap between the two, which the server spent
+        delivering the next request to this process."""
+        t = self.timings
+        t["intake_requests"] += requests
+        t["intake_s"] += ended - started
+        last, self._last_intake_end = self._last_intake_end, ended
+        if last is not None and started - last < BURST_GAP_S:
+            t["intake_burst_gaps"] += 1
+            t["intake_burst_gap_s"] += started - last
 
     def num_active(self) -> int:
         with self._lock:

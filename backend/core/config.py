@@ -45,6 +45,9 @@ class EngineConfig:
     # overlap CPU scheduling with device work; None: on for CUDA devices (where the
     # device runs asynchronously), off on CPU (nothing to overlap with)
     enable_overlap: bool | None = None
+    # decode batches of up to 8 rows: each RMSNorm runs inside the projection after it,
+    # and SiLU-and-mul inside the down projection (kernels/gemv.py), on CUDA half types
+    enable_fused_gemv: bool = True
 
     # structured decoding
     # Text a grammar forces is appended as tokens either way (re-tokenized across the

@@ -60,6 +60,10 @@ class ModelRunner:
         else:
             model.load_weights(self._iter_weights())
         model.eval()
+        if self.device.type == "cuda" and self.config.enable_fused_gemv:
+            for module in model.modules():
+                if hasattr(module, "fuse_rows"):
+                    module.fuse_rows = True
         return model
 
     def _iter_weights(self):

@@ -48,12 +48,18 @@ MODEL = "llm"
 
 # ----------------------------------------------------------------------------- server
 def engine_fields() -> set[str]:
-    """EngineConfig's field names, read from the source (no torch import here)."""
+    """The model parameters config.pbtxt may set: EngineConfig's field names and the
+    serving layer's own (backend/wire.py), read from the source (no torch import here)."""
+    names: set[str] = set()
     tree = ast.parse((C.REPO / "backend/core/config.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "EngineConfig":
-            return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
-    return set()
+            names |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+    for node in ast.parse((C.REPO / "backend/wire.py").read_text()).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and getattr(node.targets[0], "id", None) == "SERVING_PARAMETERS"):
+            names |= set(ast.literal_eval(node.value))
+    return names
 
 
 def make_repository(root: Path, model_dir: str, device: str, dtype: str, extra: dict) -> Path:

@@ -2,7 +2,12 @@
 
 On CUDA tensors they run fused Triton kernels (one launch instead of several elementwise
 torch kernels, which dominate small decode steps); elsewhere plain torch with the same
-math order, so CPU results match the reference implementations exactly."""
+math order, so CPU results match the reference implementations exactly.
+
+Small decode batches go further when ``fuse_rows`` is set (the model runner sets it on
+CUDA): the norm before a projection and the SiLU-and-mul before the down projection run
+as the prologue of a matrix-vector kernel (``kernels/gemv.py``), one launch per
+projection instead of two."""
 from __future__ import annotations
 
 import torch
@@ -10,11 +15,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def rows_fusable(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether ``kernels/gemv.py`` takes this input: a CUDA half-precision batch of at
+    most MAX_ROWS rows whose parameters share its dtype."""
+    from ..kernels.gemv import MAX_ROWS
+
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and all(p is None or p.dtype == x.dtype for p in params))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fuse_rows = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with ``residual``: (norm(x + residual), x + residual)."""
@@ -28,6 +44,19 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def linear(self, proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``(proj(norm(x)), x)``; with ``residual``: ``(proj(norm(x + residual)),
+        x + residual)``, i.e. ``forward`` followed by the projection."""
+        if self.fuse_rows and rows_fusable(x, self.weight, proj.weight, proj.bias):
+            from ..kernels.gemv import rmsnorm_linear_rows
+
+            return rmsnorm_linear_rows(x, residual, self.weight, self.eps, proj.weight,
+                                       proj.bias)
+        if residual is None:
+            return proj(self(x)), x
+        normed, residual = self(x, residual)
+        return proj(normed), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32 like the reference implementations, then cast back
@@ -45,9 +74,17 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fuse_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The block's output from its gate/up projection ``gate_up`` [T, 2I]."""
+        if self.fuse_rows and rows_fusable(gate_up, self.down_proj.weight):
+            from ..kernels.gemv import silu_mul_linear_rows
+
+            return silu_mul_linear_rows(gate_up, self.down_proj.weight)
         if gate_up.is_cuda:
             from ..kernels.fused import silu_and_mul
 

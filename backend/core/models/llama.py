@@ -32,9 +32,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+    def forward(self, qkv: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
                 rotary: RotaryEmbedding, layer_id: int) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """From this layer's QKV projection (computed by the caller, which fuses it with
+        the norm before it) to the output projection."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -53,14 +55,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, batch, attn, rotary, layer_id):
         """Pre-norm block on a residual stream: returns (this block's output, the stream
-        before adding it); the next norm adds the two in the same fused step."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch, attn, rotary, layer_id)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        before adding it); the next norm adds the two in the same fused step. Each norm
+        runs together with the projection after it (``RMSNorm.linear``)."""
+        attn_in = self.self_attn
+        qkv, residual = self.input_layernorm.linear(attn_in.qkv_proj, x, residual)
+        x = attn_in(qkv, batch, attn, rotary, layer_id)
+        gate_up, residual = self.post_attention_layernorm.linear(self.mlp.gate_up_proj, x,
+                                                                 residual)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):
