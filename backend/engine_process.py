@@ -85,7 +85,12 @@ class EngineProcess:
         theirs.close()
         self._conn = Connection(os.dup(ours.fileno()))
         ours.close()
-        self._send_lock = threading.Lock()
+        # Messages leave through a writer thread: the caller (Triton's execute) only
+        # queues, so it never gives up the GIL for a socket write and then waits behind
+        # the router and senders to get it back. What queued up meanwhile leaves as one
+        # message.
+        self._outq: collections.deque = collections.deque()
+        self._out_cv = threading.Condition()
         self._cv = threading.Condition()
         self._events: collections.deque = collections.deque()  # output lists, step errors
         self._busy = False  # the child had work after its last step
@@ -95,13 +100,16 @@ class EngineProcess:
         self._tokenizer = None
         self.info: dict = {}
         try:
-            self._send(("init", config))
+            self._conn.send(("init", config))
             self.info = self._await_ready(start_timeout_s)
         except BaseException:
             self.close(0.0)
             raise
         self._reader = threading.Thread(target=self._read, name="radixlm-engine-reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="radixlm-engine-writer",
+                                        daemon=True)
+        self._writer.start()
 
     # ---- start and stop
     def _await_ready(self, timeout_s: float) -> dict:
@@ -130,6 +138,9 @@ class EngineProcess:
             self._send(("close",))
         except (OSError, EngineProcessDied, ValueError):
             pass
+        with self._out_cv:
+            self._out_cv.wait_for(lambda: not self._outq or self._dead is not None,
+                                  min(timeout_s, 5.0))
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -151,8 +162,28 @@ class EngineProcess:
     def _send(self, msg) -> None:
         if self._dead is not None:
             raise EngineProcessDied(self._dead)
-        with self._send_lock:
-            self._conn.send(msg)
+        with self._out_cv:
+            self._outq.append(msg)
+            if len(self._outq) == 1:
+                self._out_cv.notify()
+
+    # ---- the writer thread
+    def _write(self) -> None:
+        while True:
+            with self._out_cv:
+                while not self._outq:
+                    self._out_cv.wait()
+                batch = list(self._outq)
+                self._outq.clear()
+            try:
+                self._conn.send(batch[0] if len(batch) == 1 else ("many", batch))
+            except (OSError, ValueError):
+                return  # the reader notices the child is gone and says why
+            finally:
+                with self._out_cv:
+                    self._out_cv.notify_all()  # close() waits for the queue to drain
+            if batch[-1][0] == "close":
+                return
 
     def add_request(self, prompt, sampling_params=None, request_id: str | None = None,
                     stream: bool = True) -> str:
@@ -296,35 +327,42 @@ class _Worker:
 
     def read(self) -> None:
         """Commands from the stub; add and abort go straight to the engine's inbox."""
-        engine = self.engine
         try:
             while True:
                 msg = self.conn.recv()
-                kind = msg[0]
-                if kind == "add":
-                    _, rid, prompt, params, stream = msg
-                    try:
-                        engine.add_request(prompt, params, request_id=rid, stream=stream)
-                    except ValueError as exc:
-                        self.refuse(rid, str(exc))
-                elif kind == "score":
-                    _, rid, prompt, choices = msg
-                    try:
-                        engine.add_score_request(prompt, choices, request_id=rid)
-                    except ValueError as exc:
-                        self.refuse(rid, str(exc))
-                elif kind == "abort":
-                    engine.abort(msg[1])
-                else:  # stats, integrity, close: answered by the loop, between steps
-                    self.controls.append(msg)
-                    engine.wake()
-                    if kind == "close":
-                        return
+                for one in (msg[1] if msg[0] == "many" else (msg,)):
+                    if not self.handle(one):
+                        return  # the loop ends the process after answering "close"
         except (EOFError, OSError):
             pass
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         os._exit(0)  # the stub is gone: nobody to serve
+
+    def handle(self, msg) -> bool:
+        """One command; False once the stub asked to close."""
+        engine = self.engine
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt, params, stream = msg
+            try:
+                engine.add_request(prompt, params, request_id=rid, stream=stream)
+            except ValueError as exc:
+                self.refuse(rid, str(exc))
+        elif kind == "score":
+            _, rid, prompt, choices = msg
+            try:
+                engine.add_score_request(prompt, choices, request_id=rid)
+            except ValueError as exc:
+                self.refuse(rid, str(exc))
+        elif kind == "abort":
+            engine.abort(msg[1])
+        else:  # stats, integrity, close: answered by the loop, between steps
+            self.controls.append(msg)
+            engine.wake()
+            if kind == "close":
+                return False
+        return True
 
     def answer_controls(self) -> None:
         while self.controls:

@@ -142,15 +142,24 @@ class _Outbox:
             t.start()
 
     def put(self, rid: str, item: _Delta | Callable[[], None]) -> None:
+        self.put_many([(rid, item)])
+
+    def put_many(self, items: list[tuple[str, _Delta | Callable[[], None]]]) -> None:
+        """Queue (request id, item) pairs in order, taking the lock once: a step's outputs
+        go in together rather than contending with the senders once per request."""
+        woken = 0
         with self._cv:
-            queued = self._queues.get(rid)
-            if queued is None:
-                self._queues[rid] = [item]
-                if rid not in self._busy:
-                    self._ready.append(rid)
-                    self._cv.notify()
-            else:
-                queued.append(item)
+            for rid, item in items:
+                queued = self._queues.get(rid)
+                if queued is None:
+                    self._queues[rid] = [item]
+                    if rid not in self._busy:
+                        self._ready.append(rid)
+                        woken += 1
+                else:
+                    queued.append(item)
+            if woken:
+                self._cv.notify(woken)
 
     def pending(self) -> int:
         with self._cv:
@@ -238,6 +247,7 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixlm-engine-loop", daemon=True)
         self._outbox = _Outbox(self._deliver_delta, sender_threads)
+        self._batch: list | None = None  # outbox items of the step being routed
         # where the loop thread's time goes (seconds; in debug stats)
         self.timings: dict[str, float] = {"step_s": 0.0, "route_s": 0.0, "idle_s": 0.0, "steps": 0}
         # the serving layer's request intake (written by its thread through note_intake)
@@ -293,7 +303,8 @@ class EngineLoop:
             else:
                 if job.prepend_input and not isinstance(job.prompt, str):
                     tracked.prompt_text = self.engine.tokenizer.decode(job.prompt)
-                self.engine.add_request(job.prompt, job.params, request_id=rid)
+                self.engine.add_request(job.prompt, job.params, request_id=rid,
+                                        stream=_text_per_step(job, sink))
         except ValueError as exc:
             self._retire(rid)
             message = str(exc)
@@ -400,11 +411,20 @@ class EngineLoop:
         stepped = time.perf_counter()
         if self._metrics is not None and outputs:
             _safe(self._metrics.observe_outputs, outputs)
-        for out in outputs:
-            try:
-                self._route(out)
-            except Exception:
-                self._on_error("sending a response failed:\n" + traceback.format_exc())
+        with self._lock:  # one look-up pass for the whole step
+            found = [(out, self._active.get(out.request_id)) for out in outputs]
+        self._batch = []
+        try:
+            for out, tracked in found:
+                if tracked is None:
+                    continue
+                try:
+                    self._route(out, tracked)
+                except Exception:
+                    self._on_error("sending a response failed:\n" + traceback.format_exc())
+        finally:
+            batch, self._batch = self._batch, None
+            self._outbox.put_many(batch)
         self.timings["step_s"] += stepped - started
         self.timings["route_s"] += time.perf_counter() - stepped
         self.timings["steps"] += 1
@@ -456,11 +476,14 @@ class EngineLoop:
             tracked.aborted = True
             self.engine.abort(rid)
 
-    def _route(self, out) -> None:
-        with self._lock:
-            tracked = self._active.get(out.request_id)
-        if tracked is None:
-            return
+    def _put(self, rid: str, item: _Delta | Callable[[], None]) -> None:
+        """To the outbox; while the loop thread routes a step, with the step's batch."""
+        if self._batch is not None and threading.get_ident() == self._thread.ident:
+            self._batch.append((rid, item))
+        else:
+            self._outbox.put(rid, item)
+
+    def _route(self, out, tracked: _Tracked) -> None:
         if getattr(out, "error", None):
             self._finish(out.request_id, tracked, lambda: tracked.sink.send_error(out.error))
             self.engine.abort(out.request_id)  # the other samples of this request, if any
@@ -488,7 +511,7 @@ class EngineLoop:
             if out.new_token_ids or out.new_text or out.finished:
                 if done:
                     self._retire(out.request_id)
-                self._outbox.put(out.request_id, _Delta(
+                self._put(out.request_id, _Delta(
                     tracked, sample, out, [out.new_text], list(out.new_token_ids),
                     list(out.logprobs or []), list(out.context_token_ids), done))
             return
@@ -545,14 +568,14 @@ class EngineLoop:
 
     def _finish(self, rid: str, tracked: _Tracked, send: Callable[[], None]) -> None:
         self._retire(rid)
-        self._outbox.put(rid, lambda: tracked.close_with(send))
+        self._put(rid, lambda: tracked.close_with(send))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             failed, self._active = self._active, {}
         for rid, tracked in failed.items():
             self.engine.abort(rid)
-            self._outbox.put(rid, lambda t=tracked: t.close_with(lambda: t.sink.send_error(message)))
+            self._put(rid, lambda t=tracked: t.close_with(lambda: t.sink.send_error(message)))
 
     def _drain(self, budget_s: float = 10.0) -> None:
         """Shutdown: abort everything and step until the engine has sent the aborts."""
@@ -566,6 +589,15 @@ class EngineLoop:
         self._fail_all("the model is shutting down")
         self._answer_stats()
         self._outbox.close(max(1.0, deadline - time.monotonic()))
+
+
+def _text_per_step(job: wire.GenerateJob, sink: ResponseSink) -> bool:
+    """Whether the engine should detokenize every step (its ``stream`` flag): only for a
+    streamed request whose client reads text_output. Otherwise the text is decoded once,
+    when the request finishes (stop strings still see every step's text: the engine
+    keeps decoding incrementally for them)."""
+    wanted = getattr(sink, "wanted", None)
+    return job.stream and (wanted is None or wire.TEXT_OUTPUT in wanted)
 
 
 def _safe(fn: Callable, *args, default: Any = None, ok: Any = None) -> Any:

@@ -20,9 +20,11 @@ class ScriptedEngine:
         self.lock = threading.Lock()
         self.reqs: dict[str, dict] = {}
         self.aborted: list[str] = []
+        self.streamed: dict[str, bool] = {}  # request id -> the stream flag it was added with
         self.fail_next_step = False
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, stream=True):
+        self.streamed[request_id] = stream
         if prompt == "too long":
             raise ValueError("prompt has 9999 tokens; the context length is 64")
         if prompt == "slow reject":  # tracked by the loop for a moment, then refused
@@ -231,6 +233,25 @@ def test_non_streaming_sends_one_response_with_everything_and_the_prompt(loop):
     assert list(out[wire.CONTEXT_IDS]) == [0]  # what precedes the first output id
 
 
+@pytest.mark.parametrize("stream, wanted, per_step", [
+    (True, None, True),  # every output: text too
+    (True, frozenset({wire.TEXT_OUTPUT, wire.FINISH_REASON}), True),
+    (True, frozenset({wire.OUTPUT_IDS, wire.FINISH_REASON}), False),  # ids only
+    (False, None, False),  # one response at the end: the text is decoded once
+])
+def test_the_engine_detokenizes_every_step_only_for_streamed_text(loop, stream, wanted, per_step):
+    sink = RecordingSink()
+    sink.wanted = wanted
+    loop.submit(generate(stream=stream, max_new_tokens=2), sink)
+    assert sink.closed.wait(5)
+    assert list(loop.engine.streamed.values()) == [per_step]
+    ids = [i for o, _ in sink.responses for i in o[wire.OUTPUT_IDS]] if (
+        wanted is None or wire.OUTPUT_IDS in wanted) else None
+    assert ids in ([1, 2], None)
+    if wanted is not None:  # only what the client asked for is built
+        assert all(set(o) == wanted for o, _ in sink.responses)
+
+
 def test_rejected_prompt_gets_an_error_and_is_not_tracked(loop):
     sink = RecordingSink()
     loop.submit(generate("too long"), sink)
@@ -276,8 +297,20 @@ def test_stats_job_reports_engine_stats_and_integrity(loop):
     loop_timings = stats.pop("loop")
     assert stats == {"num_running": 0, "num_waiting": 0, "integrity_ok": True,
                      "integrity_error": None, "num_pending_requests": 0}
-    assert set(loop_timings) == {"step_s", "route_s", "idle_s", "steps", "queued_responses"}
+    assert set(loop_timings) == {"step_s", "route_s", "idle_s", "steps", "queued_responses",
+                                 "intake_requests", "intake_s", "intake_burst_gaps",
+                                 "intake_burst_gap_s"}
     assert loop_timings["steps"] == 0 and loop_timings["idle_s"] > 0
+
+
+def test_intake_timings_count_requests_and_gaps_within_bursts_only(loop):
+    loop.note_intake(10.0, 10.0002, 1)
+    loop.note_intake(10.0005, 10.0007, 2)  # 0.3 ms after the previous hand-over: a burst
+    loop.note_intake(11.0, 11.0001, 1)  # a second later: not part of it
+    t = loop.timings
+    assert t["intake_requests"] == 4
+    assert t["intake_s"] == pytest.approx(0.0005)
+    assert t["intake_burst_gaps"] == 1 and t["intake_burst_gap_s"] == pytest.approx(0.0003)
 
 
 def test_loop_timings_count_the_steps_and_the_profile_is_written(tmp_path, monkeypatch):

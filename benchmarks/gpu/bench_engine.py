@@ -58,7 +58,9 @@ def drive(eng, arrivals, prompts, params, *, deadline_s=None, step_log=None,
         while i < n and arrivals[i] <= now:
             r = reqs[i]
             try:
-                rid = eng.add_request(prompts[i], plist[i])
+                # text every step only when it is read (as the server does for a client
+                # that asks for output ids alone)
+                rid = eng.add_request(prompts[i], plist[i], stream=keep_text)
             except ValueError as exc:
                 r["error"] = f"rejected: {exc}"
                 i += 1

@@ -13,14 +13,14 @@ never waits for a launch of its own.
 ``rmsnorm_linear_rows(x, r, w, eps, W)``  ``(RMSNorm(x + r) @ W.T, x + r)``
 ``silu_mul_linear_rows(gate_up, W)``       ``(silu(gate) * up) @ W.T``
 
-for ``M <= MAX_ROWS`` rows; each rounds to the model dtype exactly where the separate
+for one row (batch-1 decode); each rounds to the model dtype exactly where the separate
 torch ops do (the norm's cast before its weight multiply, silu's result before the
 multiply), accumulating the dot products in float32 like cuBLAS. Weights are the
 ``nn.Linear`` layout [N, K], unit stride on K.
 
-One program computes BLOCK_N outputs of every row: it walks K in BLOCK_K chunks, loading
-a [BLOCK_N, BLOCK_K] weight tile once and applying it to all M input rows, so the weights
-are read once per step whatever M is (up to MAX_ROWS).
+One program computes BLOCK_N outputs: it requests its [BLOCK_N, K] weight slice first
+(one tile up to K = 4096, else BLOCK_K chunks) and computes the input row while those
+loads are in flight.
 """
 from __future__ import annotations
 
@@ -28,119 +28,116 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 8  # more rows: a tensor-core GEMM reads the weights just as once and wins
+MAX_ROWS = 1  # batch-1 decode; wider batches take cuBLAS (see scripts/check_gemv_gpu.py)
 
 _NONE, _NORM, _ADD_NORM, _SILU_MUL = 0, 1, 2, 3
 
 
 @triton.jit
-def _prologue_chunk(X, Res, NormW, rm, kk, mask2, rstd, stride_xm, stride_rm, K,
-                    PROLOGUE: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] input chunk at columns kk, after the prologue, as float32
-    holding model-dtype values."""
+def _input_chunk(X, Res, kk, kmask, K, PROLOGUE: tl.constexpr):
+    """Columns kk of the input row before any normalisation, as float32 holding
+    model-dtype values: x, x + residual (rounded), or silu(gate) * up (each rounded where
+    torch rounds)."""
     dtype = X.dtype.element_ty
-    x_ptr = X + rm[:, None] * stride_xm + kk[None, :]
-    if PROLOGUE == 3:  # silu(gate) * up; gate is [:, :K], up is [:, K:2K]
-        g = tl.load(x_ptr, mask=mask2, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + K, mask=mask2, other=0.0).to(tl.float32)
+    if PROLOGUE == 3:  # gate is [:K], up is [K:2K]
+        g = tl.load(X + kk, mask=kmask, other=0.0).to(tl.float32)
+        u = tl.load(X + K + kk, mask=kmask, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         return (s * u).to(dtype).to(tl.float32)
-    x = tl.load(x_ptr, mask=mask2, other=0.0)
-    if PROLOGUE == 0:
-        return x.to(tl.float32)
+    x = tl.load(X + kk, mask=kmask, other=0.0)
     if PROLOGUE == 2:
-        r = tl.load(Res + rm[:, None] * stride_rm + kk[None, :], mask=mask2, other=0.0)
+        r = tl.load(Res + kk, mask=kmask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-    y = (x.to(tl.float32) * rstd[:, None]).to(dtype)  # RMSNorm's cast before the weight
-    nw = tl.load(NormW + kk, mask=kk < K, other=0.0).to(tl.float32)
-    return (nw[None, :] * y.to(tl.float32)).to(dtype).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _normalise(x, NormW, kk, kmask, rstd, dtype):
+    y = (x * rstd).to(dtype)  # RMSNorm's cast before the weight multiply
+    nw = tl.load(NormW + kk, mask=kmask, other=0.0).to(tl.float32)
+    return (nw * y.to(tl.float32)).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(
     X, Res, NormW, W, Bias, Out, ResOut,
-    M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, eps,
+    N, K, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    mmask = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        # pass 1: the row's sum of squares (after the residual add, which program 0
-        # also writes out as the new residual stream)
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dtype = X.dtype.element_ty
+    w_rows = W + rn[:, None].to(tl.int64) * stride_wn
+    is_norm = PROLOGUE == 1 or PROLOGUE == 2
+    if BLOCK_K >= K:
+        # the whole row at once: the weight tile is requested first, so its loads are in
+        # flight while the input row is read and normalised
+        kmask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = _input_chunk(X, Res, rk, kmask, K, PROLOGUE)
+        if PROLOGUE == 2:
+            tl.store(ResOut + rk, x.to(dtype), mask=kmask & ((rk * 0 + pid) == 0))
+        if is_norm:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = _normalise(x, NormW, rk, kmask, rstd, dtype)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    else:
+        rstd = 0.0
+        if is_norm:  # pass 1: the sum of squares (program 0 also writes the new residual)
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                kmask = kk < K
+                x = _input_chunk(X, Res, kk, kmask, K, PROLOGUE)
+                if PROLOGUE == 2:
+                    tl.store(ResOut + kk, x.to(dtype), mask=kmask & ((kk * 0 + pid) == 0))
+                ss += x * x
+            rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
-            mask2 = mmask[:, None] & (kk < K)[None, :]
-            x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=mask2, other=0.0)
-            if PROLOGUE == 2:
-                r = tl.load(Res + rm[:, None] * stride_rm + kk[None, :], mask=mask2, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-                first = (rm * 0 + pid) == 0  # program 0 writes the new residual
-                tl.store(ResOut + rm[:, None] * stride_rom + kk[None, :], x,
-                         mask=mask2 & first[:, None])
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_rows = W + rn[:, None].to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        kmask = kk < K
-        x = _prologue_chunk(X, Res, NormW, rm, kk, mmask[:, None] & kmask[None, :], rstd,
-                            stride_xm, stride_rm, K, PROLOGUE)
-        w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            kmask = kk < K
+            w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            x = _input_chunk(X, Res, kk, kmask, K, PROLOGUE)
+            if is_norm:
+                x = _normalise(x, NormW, kk, kmask, rstd, dtype)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
-        acc += tl.load(Bias + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + rm[:, None] * stride_om + rn[None, :], acc.to(Out.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+        acc += tl.load(Bias + rn, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(Out + rn, acc.to(Out.dtype.element_ty), mask=nmask)
 
 
-def _config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an M x K by K x N product.
-
-    Enough programs to cover the SMs a few times over even for N = 2048 (o_proj of a 1B
-    model), tiles of 8 KB to 16 KB of weights, and the [BLOCK_M, BLOCK_N, BLOCK_K]
-    float32 product kept near 64 registers per thread.
-    """
-    block_m = triton.next_power_of_2(m)
-    block_k = min(512, triton.next_power_of_2(k))
-    block_n = 16 if n >= 8192 else 8
-    block_n = max(2, block_n // block_m)
-    warps = 4
-    return block_n, block_k, warps
+def _config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): the whole row in one tile up to K = 4096, 4 output
+    rows per program (8 KB to 32 KB of weights in flight each)."""
+    block_k = triton.next_power_of_2(k) if k <= 4096 else 1024
+    return 4, block_k, 8 if block_k >= 4096 else 4
 
 
 def _launch(prologue, x, weight, bias, res=None, norm_weight=None, eps=0.0, res_out=None,
             config=None):
-    m = x.shape[0]
     n, k = weight.shape
-    assert 0 < m <= MAX_ROWS, f"{m} rows: the fused products take 1..{MAX_ROWS}"
+    assert x.shape[0] == MAX_ROWS, f"{x.shape[0]} rows: the fused products take {MAX_ROWS}"
     assert weight.stride(1) == 1 and x.stride(-1) == 1, "K must be contiguous"
     assert weight.dtype == x.dtype, "activations and weights must share a dtype"
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = config or _config(m, n, k)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = config or _config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, res if res is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else x,
-        m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0),
-        out.stride(0), res_out.stride(0) if res_out is not None else 0, float(eps),
+        n, k, weight.stride(0), float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )
     return out
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config=None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [M, K], M <= MAX_ROWS."""
+    """``F.linear(x, weight, bias)`` for x [1, K]."""
     assert x.dim() == 2 and x.shape[1] == weight.shape[1]
     return _launch(_NONE, x, weight, bias, config=config)
 
@@ -151,7 +148,7 @@ def rmsnorm_linear_rows(x: torch.Tensor, residual: torch.Tensor | None,
     """``RMSNorm`` (layers/basic.py) then ``F.linear``, in one launch.
 
     Without ``residual``: returns ``(linear(norm(x)), x)``. With it: ``s = x + residual``
-    and returns ``(linear(norm(s)), s)``, ``s`` in a new tensor. x, residual: [M, K]
+    and returns ``(linear(norm(s)), s)``, ``s`` in a new tensor. x, residual: [1, K]
     with unit stride on K; norm_weight [K] in x's dtype.
     """
     assert x.dim() == 2 and x.shape[1] == weight.shape[1] == norm_weight.shape[0]
@@ -168,6 +165,6 @@ def rmsnorm_linear_rows(x: torch.Tensor, residual: torch.Tensor | None,
 
 def silu_mul_linear_rows(gate_up: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """``F.linear(F.silu(gate) * up, weight, bias)`` for gate_up [M, 2K] = [gate | up]."""
+    """``F.linear(F.silu(gate) * up, weight, bias)`` for gate_up [1, 2K] = [gate | up]."""
     assert gate_up.dim() == 2 and gate_up.shape[1] == 2 * weight.shape[1]
     return _launch(_SILU_MUL, gate_up, weight, bias, config=config)

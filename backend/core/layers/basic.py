@@ -15,6 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def linear(proj: nn.Linear, x: torch.Tensor, fuse_rows: bool) -> torch.Tensor:
+    """``proj(x)``; with ``fuse_rows``, batch-1 rows take the matrix-vector kernel."""
+    if fuse_rows and rows_fusable(x, proj.weight, proj.bias):
+        from ..kernels.gemv import linear_rows
+
+        return linear_rows(x, proj.weight, proj.bias)
+    return proj(x)
+
+
 def rows_fusable(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """Whether ``kernels/gemv.py`` takes this input: a CUDA half-precision batch of at
     most MAX_ROWS rows whose parameters share its dtype."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..layers.attention import AttentionBackend
-from ..layers.basic import GatedMLP, RMSNorm
+from ..layers.basic import GatedMLP, RMSNorm, linear, rows_fusable
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -31,6 +31,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
+        self.fuse_rows = False
 
     def forward(self, qkv: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
                 rotary: RotaryEmbedding, layer_id: int) -> torch.Tensor:
@@ -42,7 +43,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(batch.positions, q, k)
         out = attn.forward(q, k, v, layer_id, batch, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return linear(self.o_proj, out.reshape(-1, self.q_size), self.fuse_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -80,6 +81,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        self.fuse_rows = False  # batch-1 logits by the matrix-vector kernel (CUDA)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -94,7 +96,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x[rows], residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        weight = self.lm_head_weight
+        if self.fuse_rows and rows_fusable(hidden, weight):
+            from ..kernels.gemv import linear_rows
+
+            return linear_rows(hidden, weight).float()
+        return F.linear(hidden, weight).float()
 
     # ------------------------------------------------------------------ weights
     _stacked = (  # checkpoint name piece -> (our parameter, shard index)
