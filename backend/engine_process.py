@@ -90,7 +90,8 @@ class EngineProcess:
         # the router and senders to get it back. What queued up meanwhile leaves as one
         # message.
         self._outq: collections.deque = collections.deque()
-        self._out_cv = threading.Condition()
+        self._out_ready = threading.Event()
+        self._writing = False
         self._cv = threading.Condition()
         self._events: collections.deque = collections.deque()  # output lists, step errors
         self._busy = False  # the child had work after its last step
@@ -138,9 +139,10 @@ class EngineProcess:
             self._send(("close",))
         except (OSError, EngineProcessDied, ValueError):
             pass
-        with self._out_cv:
-            self._out_cv.wait_for(lambda: not self._outq or self._dead is not None,
-                                  min(timeout_s, 5.0))
+        deadline = time.monotonic() + min(timeout_s, 5.0)
+        while (self._outq or self._writing) and self._dead is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -162,43 +164,41 @@ class EngineProcess:
     def _send(self, msg) -> None:
         if self._dead is not None:
             raise EngineProcessDied(self._dead)
-        with self._out_cv:
-            self._outq.append(msg)
-            if len(self._outq) == 1:
-                self._out_cv.notify()
+        self._outq.append(msg)  # no lock: deque appends are atomic
+        self._out_ready.set()
 
     # ---- the writer thread
     def _write(self) -> None:
+        queued = self._outq
         while True:
-            with self._out_cv:
-                while not self._outq:
-                    self._out_cv.wait()
-                batch = list(self._outq)
-                self._outq.clear()
+            self._out_ready.wait()
+            self._out_ready.clear()  # before draining: a later append sets it again
+            self._writing = True
+            batch = []
+            while queued:
+                batch.append(queued.popleft())
             try:
-                self._conn.send(batch[0] if len(batch) == 1 else ("many", batch))
+                if batch:
+                    self._conn.send(batch[0] if len(batch) == 1 else ("many", batch))
             except (OSError, ValueError):
                 return  # the reader notices the child is gone and says why
             finally:
-                with self._out_cv:
-                    self._out_cv.notify_all()  # close() waits for the queue to drain
-            if batch[-1][0] == "close":
+                self._writing = False
+            if batch and batch[-1][0] == "close":
                 return
 
     def add_request(self, prompt, sampling_params=None, request_id: str | None = None,
                     stream: bool = True) -> str:
         if request_id is None:
             raise ValueError("EngineProcess.add_request needs a request_id")
-        with self._cv:
-            self._busy = True
+        self._busy = True  # a plain store (no lock to wait for, see _send)
         self._send(("add", request_id, prompt, sampling_params, stream))
         return request_id
 
     def add_score_request(self, prompt, choices, request_id: str | None = None) -> str:
         if request_id is None:
             raise ValueError("EngineProcess.add_score_request needs a request_id")
-        with self._cv:
-            self._busy = True
+        self._busy = True
         self._send(("score", request_id, prompt, choices))
         return request_id
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import io
+import itertools
 import logging
 import os
 import queue
@@ -248,6 +249,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="radixlm-engine-loop", daemon=True)
         self._outbox = _Outbox(self._deliver_delta, sender_threads)
         self._batch: list | None = None  # outbox items of the step being routed
+        self._id_prefix = uuid.uuid4().hex[:12] + "-"
+        self._ids = itertools.count()
         # where the loop thread's time goes (seconds; in debug stats)
         self.timings: dict[str, float] = {"step_s": 0.0, "route_s": 0.0, "idle_s": 0.0, "steps": 0}
         # the serving layer's request intake (written by its thread through note_intake)
@@ -290,7 +293,7 @@ class EngineLoop:
         if isinstance(job, wire.StatsJob):
             self._stats_sinks.put(sink)
             return
-        rid = uuid.uuid4().hex
+        rid = f"{self._id_prefix}{next(self._ids)}"  # uuid4 would make a getrandom call
         prompt_text = job.prompt if isinstance(job.prompt, str) else ""
         n = job.params.n if isinstance(job, wire.GenerateJob) else 1
         tracked = _Tracked(job=job, sink=sink, prompt_text=prompt_text, num_samples=n)

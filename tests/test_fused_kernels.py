@@ -126,6 +126,34 @@ def _case_rotary(h, kvh, d, dtype, t=9):
     assert ((q[~at0] - q_before[~at0]).abs().amax(dim=(1, 2)) > 1e-2).all()
 
 
+def _case_rotary_store(h, kvh, d, dtype, t=7, pool_dtype=None):
+    """rotary_store_kv == the layer's rotation followed by store_kv, and leaves k as is."""
+    from backend.core.kernels import fused
+    from backend.core.layers.rotary import RotaryEmbedding
+    gen = torch.Generator().manual_seed(h * d + 1)
+    rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), d, max_positions=256)
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen).to(dtype)
+    q = qkv[:, :h * d].view(t, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+    positions = torch.tensor([200, 3, 0, 255, 17, 3, 64][:t], dtype=torch.int64)
+    loc = torch.tensor([5, 1, 9, 2, 12, 7, 3][:t], dtype=torch.int64)
+    pool = pool_dtype or dtype
+    k_buf = torch.full((14, kvh, d), float("nan"), dtype=pool)
+    v_buf = torch.full((14, kvh, d), float("nan"), dtype=pool)
+    ref_q, ref_k = rot(positions, q.clone(), k.clone())
+    k_before, v_before = k.clone(), v.clone()
+    fused.rotary_store_kv(q, k, v, positions, rot.cos, rot.sin, k_buf, v_buf, loc)
+    assert _err(q, ref_q) < TOL[dtype], _err(q, ref_q)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)  # only the pool copy moves
+    got_k, ref_k = k_buf[loc], ref_k.to(pool)
+    assert (got_k.float() - ref_k.float()).abs().max().item() < TOL[dtype]
+    assert torch.equal(v_buf[loc], v.to(pool))
+    untouched = torch.ones(14, dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.isnan(k_buf[untouched]).all() and torch.isnan(v_buf[untouched]).all()
+
+
 def _case_silu_and_mul(inter, dtype, t=4, strided=False, prealloc=False):
     from torch import nn
     from backend.core.kernels import fused
@@ -176,11 +204,19 @@ for _dt, _tag in ((torch.float32, "fp32"), (torch.float16, "fp16")):
     # GQA 2 and 6 (6 q heads: non-power-of-two head blocks); head_dim 80: half 40 is masked
     for _h, _kvh, _d in ((4, 2, 64), (6, 1, 80), (2, 2, 16)):
         CASES[f"rotary-{_tag}-h{_h}-kvh{_kvh}-d{_d}"] = (_case_rotary, dict(h=_h, kvh=_kvh, d=_d, dtype=_dt))
+    for _h, _kvh, _d in ((4, 2, 64), (6, 1, 80)):
+        CASES[f"rotary-store-{_tag}-h{_h}-kvh{_kvh}-d{_d}"] = (
+            _case_rotary_store, dict(h=_h, kvh=_kvh, d=_d, dtype=_dt))
     CASES[f"silu-mul-{_tag}-i96"] = (_case_silu_and_mul, dict(inter=96, dtype=_dt))
     # 1100 = two full 512 blocks + a masked partial one
     CASES[f"silu-mul-{_tag}-i1100-strided-out"] = (
         _case_silu_and_mul, dict(inter=1100, dtype=_dt, strided=True, prealloc=True))
 # fp32 weight with fp16 activations: output promotes to fp32 exactly as torch's RMSNorm
+# an fp16 model over a float32 pool: the rotated k is rounded to fp16 first, like the
+# unfused rotation's in-place store
+CASES["rotary-store-fp16-fp32pool"] = (_case_rotary_store, dict(h=4, kvh=2, d=64,
+                                                                dtype=torch.float16,
+                                                                pool_dtype=torch.float32))
 CASES["rmsnorm-fp16-fp32weight"] = (_case_rmsnorm, dict(hidden=320, dtype=torch.float16,
                                                         weight_dtype=torch.float32))
 for _h in (96, 320):

@@ -231,6 +231,7 @@ async def _client_async(url, items, t0, n_out, timeout_s):
 
         call = None
         try:
+            rec["sent"] = time.time() - t0  # how late the client itself was
             call = client.stream_infer(requests(), stream_timeout=timeout_s)
             async for result, error in call:
                 t = time.time() - t0
@@ -320,6 +321,10 @@ def mode_offline(server, rec, args, budget):
                                     max(60.0, budget.left()))
                 wall = time.perf_counter() - t
                 runs.append(C.summarize(reqs))
+                lags = sorted((r["sent"] - r["arrival"]) * 1e3 for r in reqs if "sent" in r)
+                if lags:
+                    runs[-1]["client_send_lag_ms"] = {"p50": round(lags[len(lags) // 2], 3),
+                                                      "max": round(lags[-1], 3)}
                 if wall > 6.0 or not budget.allows(wall * 2 + 10.0):
                     break
             runs.sort(key=lambda m: m["output_tok_per_s"] or 0)

@@ -143,10 +143,12 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 @triton.jit
 def _rotary_kernel(
-    Q, K, Pos, Cos, Sin,
+    Q, K, Pos, Cos, Sin, V, KBuf, VBuf, Loc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+    stride_vt, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     # One program per token rotates all its q and k heads: the cos/sin row is gathered
     # once and shared, and q and k need no second launch.
@@ -170,8 +172,24 @@ def _rotary_kernel(
     k1_ptr = K + t * stride_kt + hk[:, None] * stride_kh + d[None, :]
     k1 = tl.load(k1_ptr, mask=kmask, other=0.0).to(tl.float32)
     k2 = tl.load(k1_ptr + HALF, mask=kmask, other=0.0).to(tl.float32)
-    tl.store(k1_ptr, (k1 * cos - k2 * sin).to(K.dtype.element_ty), mask=kmask)
-    tl.store(k1_ptr + HALF, (k2 * cos + k1 * sin).to(K.dtype.element_ty), mask=kmask)
+    # rounded to k's dtype (as the unfused rotation stores it), then to the pool's
+    k_lo = (k1 * cos - k2 * sin).to(K.dtype.element_ty)
+    k_hi = (k2 * cos + k1 * sin).to(K.dtype.element_ty)
+    if STORE:
+        # straight into the token's KV pool slot, with its v: no second launch, and k
+        # itself is left as it was (attention reads the pool)
+        slot = tl.load(Loc + t)
+        kb_ptr = KBuf + slot * stride_kbs + hk[:, None] * stride_kbh + d[None, :]
+        tl.store(kb_ptr, k_lo.to(KBuf.dtype.element_ty), mask=kmask)
+        tl.store(kb_ptr + HALF, k_hi.to(KBuf.dtype.element_ty), mask=kmask)
+        v_ptr = V + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
+        vb_ptr = VBuf + slot * stride_vbs + hk[:, None] * stride_vbh + d[None, :]
+        tl.store(vb_ptr, tl.load(v_ptr, mask=kmask).to(VBuf.dtype.element_ty), mask=kmask)
+        tl.store(vb_ptr + HALF, tl.load(v_ptr + HALF, mask=kmask).to(VBuf.dtype.element_ty),
+                 mask=kmask)
+    else:
+        tl.store(k1_ptr, k_lo, mask=kmask)
+        tl.store(k1_ptr + HALF, k_hi, mask=kmask)
 
 
 def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -191,16 +209,44 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
     if num_tokens == 0:
         return
+    _launch_rotary(q, k, positions, cos, sin, None, None, None, None)
+
+
+def _launch_rotary(q, k, positions, cos, sin, v, k_buffer, v_buffer, loc) -> None:
+    num_tokens, num_q_heads, head_dim = q.shape
     half, num_k_heads = head_dim // 2, k.shape[1]
     bqh, bkh = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
     bd = triton.next_power_of_2(half)
+    store = k_buffer is not None
+    v, kb, vb, loc = (v, k_buffer, v_buffer, loc) if store else (k, k, k, positions)
     _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos, sin,
+        q, k, positions, cos, sin, v, kb, vb, loc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        v.stride(0), v.stride(1), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
-        BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=bd,
+        BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=bd, STORE=store,
         num_warps=4 if bqh * bd <= 2048 else 8,
     )
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor) -> None:
+    """``rotary_embedding_(q, k, ...)`` and then ``kv_store.store_kv(k_buffer, v_buffer,
+    loc, k, v)`` in one launch; q is rotated in place, k is left unrotated (only its
+    pool copy is). Same arguments and constraints as those two functions."""
+    num_tokens, _, head_dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim
+    assert v.shape == k.shape and v.stride(-1) == 1
+    assert loc.shape == (num_tokens,) and loc.dtype == torch.int64
+    assert k_buffer.shape[1:] == k.shape[1:] and v_buffer.shape == k_buffer.shape
+    assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
+    assert head_dim % 2 == 0 and cos.shape[-1] * 2 == head_dim and sin.shape == cos.shape
+    assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    if num_tokens:
+        _launch_rotary(q, k, positions, cos, sin, v, k_buffer, v_buffer, loc)
 
 
 @triton.jit

@@ -107,23 +107,30 @@ def _gemv_kernel(
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(Out + rn, acc.to(Out.dtype.element_ty), mask=nmask)
+    # rounded to the model dtype even for a float32 Out (what F.linear(...).float() gives)
+    tl.store(Out + rn, acc.to(dtype).to(Out.dtype.element_ty), mask=nmask)
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): the whole row in one tile up to K = 4096, 4 output
-    rows per program (8 KB to 32 KB of weights in flight each)."""
-    block_k = triton.next_power_of_2(k) if k <= 4096 else 1024
-    return 4, block_k, 8 if block_k >= 4096 else 4
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (scripts/check_gemv_gpu.py
+    --sweep) over the projections of Llama-3.2-1B and Llama-3.1-8B: the whole row in one
+    tile up to K = 4096, else about 512 programs with 16 KB weight tiles; 8 warps for the
+    widest tiles and for the narrow (N <= 2048) matrices, whose few programs each need
+    more loads in flight."""
+    if k <= 4096:
+        block_k = triton.next_power_of_2(k)
+        return 4, block_k, 8 if block_k >= 4096 or n <= 2048 else 4
+    block_n = min(8, max(2, triton.next_power_of_2(triton.cdiv(n, 512))))
+    return block_n, 8192 // block_n, 8
 
 
 def _launch(prologue, x, weight, bias, res=None, norm_weight=None, eps=0.0, res_out=None,
-            config=None):
+            config=None, out_dtype=None):
     n, k = weight.shape
     assert x.shape[0] == MAX_ROWS, f"{x.shape[0]} rows: the fused products take {MAX_ROWS}"
     assert weight.stride(1) == 1 and x.stride(-1) == 1, "K must be contiguous"
     assert weight.dtype == x.dtype, "activations and weights must share a dtype"
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, warps = config or _config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, res if res is not None else x, norm_weight if norm_weight is not None else weight,
@@ -136,10 +143,11 @@ def _launch(prologue, x, weight, bias, res=None, norm_weight=None, eps=0.0, res_
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config=None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [1, K]."""
+                config=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [1, K]; ``out_dtype=torch.float32`` gives
+    ``F.linear(...).float()`` (the logits) without a second kernel."""
     assert x.dim() == 2 and x.shape[1] == weight.shape[1]
-    return _launch(_NONE, x, weight, bias, config=config)
+    return _launch(_NONE, x, weight, bias, config=config, out_dtype=out_dtype)
 
 
 def rmsnorm_linear_rows(x: torch.Tensor, residual: torch.Tensor | None,

@@ -30,6 +30,14 @@ class AttentionBackend(ABC):
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (new tokens). Returns [T, H, D]."""
 
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer_id: int, batch: ForwardBatch, scale: float, rotary) -> torch.Tensor:
+        """``forward`` after rotating q and k to their positions with ``rotary`` (a
+        ``RotaryEmbedding``). q and k may be modified in place. A backend may fuse the
+        rotation with its KV store."""
+        q, k = rotary(batch.positions, q, k)
+        return self.forward(q, k, v, layer_id, batch, scale)
+
 
 class TorchAttention(AttentionBackend):
     """Reference implementation with PyTorch SDPA: one padded call for decode batches,

@@ -18,6 +18,7 @@ import triton
 
 from ..forward_batch import ForwardBatch
 from ..kernels import decode_attention, decode_workspace_numel, extend_attention, store_kv
+from ..kernels.fused import rotary_store_kv
 from ..memory_pool import KVPool
 from .attention import AttentionBackend
 
@@ -81,9 +82,24 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
+        store_kv(self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
+                 batch.out_cache_loc, k, v)
+        return self._attend(q, layer_id, batch, scale)
+
+    def forward_rotary(self, q, k, v, layer_id, batch, scale, rotary):
+        if not q.is_cuda:  # CPU (the interpreter tests): the rotation's torch reference
+            return super().forward_rotary(q, k, v, layer_id, batch, scale, rotary)
+        # one launch rotates q and k and writes k and v to their pool slots
+        rotary_store_kv(q, k, v, batch.positions, rotary.cos, rotary.sin,
+                        self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
+                        batch.out_cache_loc)
+        return self._attend(q, layer_id, batch, scale)
+
+    def _attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch,
+                scale: float) -> torch.Tensor:
+        """Attention of the new queries over the pool (their own K/V already stored)."""
         k_buf = self.kv_pool.k_buffer[layer_id]
         v_buf = self.kv_pool.v_buffer[layer_id]
-        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         out = torch.empty_like(q)
         if batch.batch_size == 0 or q.shape[0] == 0:
             return out

@@ -41,8 +41,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(batch.positions, q, k)
-        out = attn.forward(q, k, v, layer_id, batch, self.scale)
+        out = attn.forward_rotary(q, k, v, layer_id, batch, self.scale, rotary)
         return linear(self.o_proj, out.reshape(-1, self.q_size), self.fuse_rows)
 
 
@@ -100,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         if self.fuse_rows and rows_fusable(hidden, weight):
             from ..kernels.gemv import linear_rows
 
-            return linear_rows(hidden, weight).float()
+            return linear_rows(hidden, weight, out_dtype=torch.float32)
         return F.linear(hidden, weight).float()
 
     # ------------------------------------------------------------------ weights
