@@ -38,11 +38,11 @@ class CudaGraphRunner:
         self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch_size] or [1]
         n = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.out_cache_loc = torch.zeros(n, **i64)
-        self.req_pool_indices = torch.zeros(n, **i64)
-        self.seq_lens = torch.zeros(n, **i64)
+        # the five per-request inputs as rows of one buffer, in ForwardBatch.decode_inputs
+        # order: a replay fills them with one copy (and pads them with one fill)
+        self.inputs = torch.zeros(5, n, **i64)
+        (self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices,
+         self.seq_lens) = self.inputs.unbind(0)
         self.ones = torch.ones(n, **i64)
         self.arange = torch.arange(n + 1, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -55,7 +55,9 @@ class CudaGraphRunner:
         return self.sizes[-1]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and 0 < batch.batch_size <= self.max_batch_size
+        # the graphs return every row's hidden state: a decode step whose logits rows
+        # differ (prompt logprobs of a one-token prompt, say) runs eagerly
+        return batch.is_decode and batch.all_rows and 0 < batch.batch_size <= self.max_batch_size
 
     def _static_batch(self, size: int) -> ForwardBatch:
         seq_lens = self.seq_lens[:size]
@@ -67,7 +69,7 @@ class CudaGraphRunner:
             logits_indices=self.arange[:size],
             # host lists only size the launches; decode kernels take lengths from the device
             seq_lens_cpu=[1] * size, extend_prefix_lens_cpu=[0] * size,
-            extend_seq_lens_cpu=[1] * size, is_decode=True)
+            extend_seq_lens_cpu=[1] * size, is_decode=True, all_rows=True)
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         self.req_to_token[batch.req_pool_indices, batch.positions] = batch.out_cache_loc.to(torch.int32)
@@ -95,14 +97,14 @@ class CudaGraphRunner:
         """Final hidden states of the batch's rows (same as an eager forward)."""
         b = batch.batch_size
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        self.input_ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.out_cache_loc[:b].copy_(batch.out_cache_loc)
-        self.req_pool_indices[:b].copy_(batch.req_pool_indices)
-        self.seq_lens[:b].copy_(batch.seq_lens)
+        if batch.decode_inputs is not None:
+            self.inputs[:, :b].copy_(batch.decode_inputs)
+        else:
+            for buf, src in zip(self.inputs, (batch.input_ids, batch.positions,
+                                              batch.out_cache_loc, batch.req_pool_indices,
+                                              batch.seq_lens)):
+                buf[:b].copy_(src)
         if size > b:
-            for buf in (self.input_ids, self.positions, self.out_cache_loc,
-                        self.req_pool_indices, self.seq_lens):
-                buf[b:size].zero_()
+            self.inputs[:, b:size].zero_()
         self.graphs[size].replay()
         return self.outputs[size][:b]

@@ -40,6 +40,10 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     is_decode: bool  # every request has exactly one new token
     extra: dict = field(default_factory=dict)
+    # input_ids, positions, out_cache_loc, req_pool_indices and seq_lens back to back
+    # (the device memory they view), when they have one length (decode): [5, B]
+    decode_inputs: torch.Tensor | None = None
+    all_rows: bool = False  # logits_indices is every token row, in order
 
     @property
     def batch_size(self) -> int:
@@ -77,11 +81,16 @@ class ForwardBatch:
                  extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices]
         flat = to_device([v for part in parts for v in part], device)
         views = flat.split([len(part) for part in parts])
+        b = len(seq_lens)
+        is_decode = all(n == 1 for n in extend_seq_lens)
         return cls(
             input_ids=views[0], positions=views[1], out_cache_loc=views[2],
             req_pool_indices=views[3], seq_lens=views[4], extend_prefix_lens=views[5],
             extend_seq_lens=views[6], qo_indptr=views[7], logits_indices=views[8],
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(extend_prefix_lens),
             extend_seq_lens_cpu=list(extend_seq_lens),
-            is_decode=all(n == 1 for n in extend_seq_lens),
+            is_decode=is_decode,
+            decode_inputs=flat[:5 * b].view(5, b) if is_decode else None,
+            all_rows=len(logits_indices) == len(input_ids)
+            and logits_indices == list(range(len(input_ids))),
         )

@@ -91,8 +91,10 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, batch, attn, self.rotary, i)
-        rows = batch.logits_indices
-        return self.norm(x[rows], residual[rows])[0]
+        if not batch.all_rows:
+            rows = batch.logits_indices
+            x, residual = x[rows], residual[rows]
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.lm_head_weight

@@ -1,0 +1,38 @@
+"""ForwardBatch.build: the index layout the kernels and the CUDA-graph runner rely on."""
+from __future__ import annotations
+
+import torch
+
+from backend.core.forward_batch import ForwardBatch
+
+
+def build(prefix, new, logits):
+    total = sum(new)
+    return ForwardBatch.build(input_ids=list(range(100, 100 + total)),
+                              req_pool_indices=[7 + i for i in range(len(new))],
+                              extend_prefix_lens=prefix, extend_seq_lens=new,
+                              out_cache_loc=list(range(50, 50 + total)),
+                              logits_indices=logits, device="cpu")
+
+
+def test_a_decode_batch_packs_its_per_request_inputs_as_five_rows():
+    b = build([4, 9, 2], [1, 1, 1], [0, 1, 2])
+    assert b.is_decode and b.all_rows
+    assert b.decode_inputs.shape == (5, 3)
+    for row, field in zip(b.decode_inputs, (b.input_ids, b.positions, b.out_cache_loc,
+                                            b.req_pool_indices, b.seq_lens)):
+        assert torch.equal(row, field)
+    assert b.positions.tolist() == [4, 9, 2] and b.seq_lens.tolist() == [5, 10, 3]
+    # views of one buffer: the graph runner copies them with a single kernel
+    assert b.decode_inputs.data_ptr() == b.input_ids.data_ptr()
+
+
+def test_all_rows_only_when_the_logits_rows_are_every_token_in_order():
+    assert not build([0, 3], [2, 1], [1, 2]).all_rows  # a prefill's last token only
+    assert build([0, 3], [2, 1], [0, 1, 2]).all_rows
+    # one new token each, but a prompt-logprob row twice and a row skipped: not all rows,
+    # so the model gathers them and the CUDA graphs (which return every row) stay out
+    odd = build([0, 5], [1, 1], [0, 0, 1])
+    assert odd.is_decode and not odd.all_rows
+    assert not build([2, 5], [1, 1], [1]).all_rows
+    assert build([0], [3], [0, 1, 2]).decode_inputs is None  # not a decode batch
