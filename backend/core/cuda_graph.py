@@ -97,9 +97,10 @@ class CudaGraphRunner:
         """Final hidden states of the batch's rows (same as an eager forward)."""
         b = batch.batch_size
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        if batch.decode_inputs is not None:
-            self.inputs[:, :b].copy_(batch.decode_inputs)
-        else:
+        packed = batch.decode_inputs
+        if packed is not None and batch.input_ids.data_ptr() == packed.data_ptr():
+            self.inputs[:, :b].copy_(packed)
+        else:  # fields replaced after build: each from where it is now
             for buf, src in zip(self.inputs, (batch.input_ids, batch.positions,
                                               batch.out_cache_loc, batch.req_pool_indices,
                                               batch.seq_lens)):

@@ -64,7 +64,9 @@ class ForwardStep:
         if self.last_tokens is not None and int(batch.extra["num_placeholders"]):
             ids = batch.input_ids
             resolved = self.last_tokens[(-ids - 1).clamp(min=0)]
-            batch.input_ids = torch.where(ids < 0, resolved, ids)
+            # in place: the ids stay a view of the batch's index buffer, which the CUDA
+            # graph runner copies as one block (ForwardBatch.decode_inputs)
+            torch.where(ids < 0, resolved, ids, out=ids)
         logits = runner.forward(batch)
         prompt_lp = None
         if prompt_rows:
