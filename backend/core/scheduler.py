@@ -72,7 +72,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running
     def _schedule_running(self) -> list[ScheduledItem]:
-        decode = [r for r in self.running if r.num_uncomputed == 1 and not _will_finish(r, self.context_len)]
+        # one pass sorts the running requests (this runs every step, for every request)
+        decode: list[Req] = []
+        partial: list[Req] = []  # prompt (or forced) tokens left to compute
+        for r in self.running:
+            left = r.num_uncomputed
+            if left == 1:
+                if not _will_finish(r, self.context_len):
+                    decode.append(r)
+            elif left > 1:
+                partial.append(r)
         while decode and not self._ensure_free(len(decode)):
             victim = max(decode, key=lambda r: (r.admit_time, r.rid))
             if len(self.running) == 1:
@@ -82,10 +91,10 @@ class Scheduler:
                 return []
             self.retract(victim)
             decode.remove(victim)
-        items = [self._extend(r, 1) for r in decode]
+        items = self._extend_decodes(decode)
         budget = self.config.max_prefill_tokens
-        for req in self.running:
-            if req.num_uncomputed > 1 and budget > 0:
+        for req in partial:
+            if budget > 0:
                 n = min(req.num_uncomputed, budget)
                 if _forced_tokens(req) and not self.config.enable_jump_forward:
                     n = 1  # forced text without jump-forward: one decode step per token
@@ -106,6 +115,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def _schedule_waiting(self, budget: int) -> list[ScheduledItem]:
+        if not self.waiting:
+            return []
         items: list[ScheduledItem] = []
         admitted_arrivals: list[float] = []
         # prompts whose KV is being computed now: this step's admissions and chunked
@@ -207,6 +218,19 @@ class Scheduler:
         prefix = req.num_computed
         req.kv_indices.extend(slots)
         return ScheduledItem(req, n, prefix, slots, samples=req.num_uncomputed == 0)
+
+    def _extend_decodes(self, reqs: list[Req]) -> list[ScheduledItem]:
+        """``_extend(r, 1)`` for each request, with one allocation for all of them."""
+        if not reqs:
+            return []
+        slots = self.kv_pool.alloc(len(reqs))
+        assert slots is not None, "caller checked free space"
+        items = []
+        for req, slot in zip(reqs, slots):
+            prefix = len(req.kv_indices)
+            req.kv_indices.append(slot)
+            items.append(ScheduledItem(req, 1, prefix, [slot], samples=True))
+        return items
 
     def _unextend(self, item: ScheduledItem) -> None:
         del item.req.kv_indices[item.prefix_len:]
