@@ -150,12 +150,9 @@ def time_decode(s: Setup, batch_size, ctx, splits_list):
     for splits in sorted(set(splits_list) | {auto}):
         out = torch.empty_like(q)
         ws = torch.empty(decode_workspace_numel(batch_size, s.h, s.d, splits), device="cuda")
-        cnt = torch.zeros(batch_size * s.kvh, dtype=torch.int32, device="cuda")
         ms = bench(lambda: decode_attention(q, out, s.pool.k_buffer[0], s.pool.v_buffer[0],
                                             s.r2t.req_to_token, b.req_pool_indices, b.seq_lens,
-                                            0.1, splits, workspace=ws, counters=cnt))
-        if cnt.any():  # every launch of the loop must leave its split counters at zero
-            FAILURES.append(f"decode B={batch_size} splits={splits}: counters left nonzero")
+                                            0.1, splits, workspace=ws))
         tag = f"decode B={batch_size} ctx={ctx} splits={splits}{'*' if splits == auto else ''}"
         print(f"{tag:<44} {torch_ms:>10.3f} {ms:>10.3f} {torch_ms / ms:>8.1f}x "
               f"{kv_bytes / ms / 1e9:>9.0f} GB/s")

@@ -5,19 +5,13 @@ idle on long contexts at small batch. Stage 1 therefore also splits each request
 into ``num_kv_splits`` chunks; every (request, kv head, split) program computes, for all
 ``GROUP = H / KVH`` query heads sharing that kv head, a normalised partial output and
 its log-sum-exp. Loading a K/V tile once per group (not once per query head) is what
-makes GQA cheap: decode is bound by KV bytes read. The splits are then merged:
+makes GQA cheap: decode is bound by KV bytes read. Stage 2 merges the splits:
 
     out = sum_s 2^(lse_s - M) * acc_s / sum_s 2^(lse_s - M),   M = max_s lse_s
 
-by the last program of each (request, kv head) to finish, in the same launch: every
-program counts itself in on an atomic counter after writing its partial result, and the
-one that brings the count to ``num_kv_splits`` merges the group's heads and resets the
-counter to 0 for the next call. At batch 1 a decode step is a string of small launches;
-a separate merge kernel per layer was one more of them.
-
 CUDA-graph invariants: grid and workspace shapes depend only on (batch, heads, splits),
-never on seq_lens values; the kernel reads seq_lens on the device; with a caller-owned
-workspace and counters nothing is allocated and nothing syncs. Chunk boundaries are computed in the
+never on seq_lens values; the kernels read seq_lens on the device; with a caller-owned
+workspace nothing is allocated and nothing syncs. Chunk boundaries are computed in the
 kernel, so a request shorter than ``num_kv_splits`` just leaves some splits empty; an
 empty split writes lse = -1e30, which gets weight 0 next to any real split (and a
 request with seq_len 0, e.g. graph padding, gets a 0 output rather than NaN).
@@ -33,15 +27,13 @@ NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf -
 
 
 @triton.jit
-def _decode_kernel(
-    Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse, Counters, O,
+def _decode_stage1(
+    Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
     qk_scale,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
-    stride_ob, stride_oh,
-    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,32 +86,28 @@ def _decode_kernel(
              mask=g_mask[:, None] & d_mask[None, :])
     tl.store(WorkLse + ws_row, lse, mask=g_mask)
 
-    # Count this split in. The barrier orders every thread's stores above before the
-    # release of the (single-thread) atomic; its acquire side makes the other programs'
-    # partial results visible to the program that sees the count complete.
-    tl.debug_barrier()
-    counter = Counters + b * NUM_KV_HEADS + kv_head
-    done = tl.atomic_add(counter, 1, sem="acq_rel")
-    if done == NUM_SPLITS - 1:
-        tl.debug_barrier()
-        offs_s = tl.arange(0, BLOCK_S)
-        s_mask = offs_s < NUM_SPLITS
-        for g in range(GROUP):
-            head = kv_head * GROUP + g
-            rows = (b.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + offs_s
-            # padding lanes of BLOCK_S read -inf: weight exactly 0; the max is over real
-            # splits, all >= NEG_FLOOR, so one weight is 1 and the sum is >= 1. Read past
-            # L1 (.cg): other programs wrote these.
-            part_lse = tl.load(WorkLse + rows, mask=s_mask, other=float("-inf"),
-                               cache_modifier=".cg")
-            w = tl.exp2(part_lse - tl.max(part_lse, 0))
-            part = tl.load(WorkAcc + rows[:, None] * HEAD_DIM + offs_d[None, :],
-                           mask=s_mask[:, None] & d_mask[None, :], other=0.0,
-                           cache_modifier=".cg")
-            out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
-            tl.store(O + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
-                     out.to(O.dtype.element_ty), mask=d_mask)
-        tl.atomic_xchg(counter, 0)  # ready for the next call (CUDA-graph replays too)
+
+@triton.jit
+def _decode_stage2(
+    WorkAcc, WorkLse, O, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    ws_row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    # padding lanes of BLOCK_S read -inf: weight exactly 0; the max is over real splits,
+    # which are all >= NEG_FLOOR, so at least one weight is 1 and the sum is >= 1
+    lse = tl.load(WorkLse + ws_row, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    acc = tl.load(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
 def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int,
@@ -132,16 +120,13 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                      v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      sm_scale: float, num_kv_splits: int,
-                     workspace: torch.Tensor | None = None,
-                     counters: torch.Tensor | None = None) -> None:
+                     workspace: torch.Tensor | None = None) -> None:
     """Write into ``o`` [B, H, D] the attention of ``q`` [B, H, D] (one token per request)
     over positions ``0 .. seq_lens[b] - 1`` of row ``req_pool_indices[b]``.
 
     workspace: optional contiguous float32 tensor with at least
-    ``decode_workspace_numel(B, H, D, num_kv_splits)`` elements (any content); counters:
-    optional int32 tensor of at least B * KVH zeros, left zero by every call. Pass both
-    (and a fixed ``num_kv_splits``) when capturing CUDA graphs so the call allocates
-    nothing.
+    ``decode_workspace_numel(B, H, D, num_kv_splits)`` elements; pass one (and a fixed
+    ``num_kv_splits``) when capturing CUDA graphs so the call allocates nothing.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -159,23 +144,23 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     work_acc = workspace[:n_acc]
     work_lse = workspace[n_acc:numel]
 
-    if counters is None:
-        counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
-    assert counters.dtype == torch.int32 and counters.numel() >= batch * num_kv_heads
-
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     fp32 = k_buffer.dtype == torch.float32
     block_n = 32 if (fp32 or block_d > 128) else 64
-    _decode_kernel[(batch, num_kv_heads, num_kv_splits)](
+    _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
-        counters, o, sm_scale * LOG2E,
+        sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-        o.stride(0), o.stride(1),
-        GROUP=group, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        NUM_SPLITS=num_kv_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=4, num_stages=2,
+    )
+    _decode_stage2[(batch, num_heads)](
+        work_acc, work_lse, o, o.stride(0), o.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        num_warps=4,
     )

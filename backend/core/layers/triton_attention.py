@@ -44,9 +44,6 @@ class TritonAttention(AttentionBackend):
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 0)
         self._workspace: torch.Tensor | None = None
-        # the decode kernel's split counters: zeros, and every launch leaves them zero
-        self._counters = torch.zeros(max(1, max_batch_size) * self.num_kv_heads,
-                                     dtype=torch.int32, device=self.device)
         if num_heads and max_batch_size > 0:
             worst = max(decode_workspace_numel(b, num_heads, self.head_dim, self.num_kv_splits(b))
                         for b in range(1, max_batch_size + 1))
@@ -66,8 +63,7 @@ class TritonAttention(AttentionBackend):
         return min(MAX_KV_SPLITS, max(MIN_KV_SPLITS, triton.next_power_of_2(want)))
 
     def _decode_workspace(self, batch_size: int, num_heads: int, splits: int) -> torch.Tensor:
-        """The shared float32 workspace (and the split counters), grown (never shrunk) to
-        fit this batch.
+        """The shared float32 workspace, grown (never shrunk) to fit this batch.
 
         All layers of a step reuse it: stage 2 of one layer finishes (same stream) before
         stage 1 of the next overwrites it.
@@ -75,9 +71,6 @@ class TritonAttention(AttentionBackend):
         need = decode_workspace_numel(batch_size, num_heads, self.head_dim, splits)
         if self._workspace is None or self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.float32, device=self.device)
-        if self._counters.numel() < batch_size * self.num_kv_heads:
-            self._counters = torch.zeros(batch_size * self.num_kv_heads, dtype=torch.int32,
-                                         device=self.device)
         return self._workspace
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -116,8 +109,7 @@ class TritonAttention(AttentionBackend):
             splits = self.num_kv_splits(batch.batch_size)
             workspace = self._decode_workspace(batch.batch_size, num_heads, splits)
             decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
-                             batch.seq_lens, scale, splits, workspace=workspace,
-                             counters=self._counters)
+                             batch.seq_lens, scale, splits, workspace=workspace)
         else:
             extend_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                              batch.seq_lens, batch.extend_prefix_lens, batch.qo_indptr,
