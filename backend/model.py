@@ -361,6 +361,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         loop = getattr(self, "loop", None)
         if loop is not None:
+            self.logger.log_info("radixlm: finalize: stopping the engine loop")
             loop.stop()
             self.logger.log_info("radixlm: engine loop stopped")
         if isinstance(getattr(self, "engine", None), EngineProcess):

@@ -35,6 +35,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -318,11 +319,19 @@ class EngineLoop:
                 reason = self.failure
                 tracked.close_with(lambda: sink.send_error(f"the engine loop died ({reason})"))
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Abort what is pending, send each request its final response, end the thread."""
+    def stop(self, timeout_s: float = 30.0, report_after_s: float = 5.0) -> None:
+        """Abort what is pending, send each request its final response, end the thread.
+        A thread still running after ``report_after_s`` has its stack logged: a stuck
+        shutdown then says where it is stuck."""
         self._stopping.set()
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            self._thread.join(min(report_after_s, timeout_s))
+        if self._thread.is_alive():
+            frame = sys._current_frames().get(self._thread.ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+            self._on_error(f"radixlm: the engine loop is still stopping after "
+                           f"{report_after_s:g} s:\n{stack}")
+            self._thread.join(max(0.0, timeout_s - report_after_s))
 
     def inject_fault(self, message: str) -> None:
         """Make the loop thread raise ``message`` (fault-injection tests of the death path)."""

@@ -338,6 +338,21 @@ def test_engine_failure_fails_pending_requests_and_the_loop_keeps_serving(loop):
     assert after.closed.wait(5) and after.texts() == ["1 "]
 
 
+def test_a_stuck_stop_logs_where_the_loop_thread_is():
+    engine = ScriptedEngine()
+    release = threading.Event()
+    engine.step = lambda: release.wait(10) and []  # a step that does not return
+    errors: list[str] = []
+    loop = EngineLoop(engine, idle_wait_s=0.005, cancel_poll_s=0.0, on_error=errors.append)
+    loop.start()
+    loop.submit(generate(max_new_tokens=2), RecordingSink())
+    time.sleep(0.05)
+    loop.stop(timeout_s=0.3, report_after_s=0.1)
+    release.set()
+    assert len(errors) == 1 and "still stopping after 0.1 s" in errors[0]
+    assert "in <lambda>" in errors[0]  # the frame it is stuck in
+
+
 def test_stop_drains_pending_requests_with_final_responses():
     engine = ScriptedEngine()
     loop = EngineLoop(engine, idle_wait_s=0.005)
