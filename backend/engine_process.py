@@ -91,7 +91,7 @@ class EngineProcess:
         # message.
         self._outq: collections.deque = collections.deque()
         self._out_ready = threading.Event()
-        self._writing = False
+        self._writer: threading.Thread | None = None
         self._cv = threading.Condition()
         self._events: collections.deque = collections.deque()  # output lists, step errors
         self._busy = False  # the child had work after its last step
@@ -139,10 +139,8 @@ class EngineProcess:
             self._send(("close",))
         except (OSError, EngineProcessDied, ValueError):
             pass
-        deadline = time.monotonic() + min(timeout_s, 5.0)
-        while (self._outq or self._writing) and self._dead is None \
-                and time.monotonic() < deadline:
-            time.sleep(0.005)
+        if self._writer is not None:  # it ends once "close" has left
+            self._writer.join(min(timeout_s, 5.0))
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -173,7 +171,6 @@ class EngineProcess:
         while True:
             self._out_ready.wait()
             self._out_ready.clear()  # before draining: a later append sets it again
-            self._writing = True
             batch = []
             while queued:
                 batch.append(queued.popleft())
@@ -182,9 +179,7 @@ class EngineProcess:
                     self._conn.send(batch[0] if len(batch) == 1 else ("many", batch))
             except (OSError, ValueError):
                 return  # the reader notices the child is gone and says why
-            finally:
-                self._writing = False
-            if batch and batch[-1][0] == "close":
+            if any(msg[0] == "close" for msg in batch):
                 return
 
     def add_request(self, prompt, sampling_params=None, request_id: str | None = None,

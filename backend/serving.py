@@ -489,8 +489,9 @@ class EngineLoop:
             self.engine.abort(rid)
 
     def _put(self, rid: str, item: _Delta | Callable[[], None]) -> None:
-        """To the outbox; while the loop thread routes a step, with the step's batch."""
-        if self._batch is not None and threading.get_ident() == self._thread.ident:
+        """To the outbox; while the loop thread routes a step, with the step's batch
+        (only the loop thread puts)."""
+        if self._batch is not None:
             self._batch.append((rid, item))
         else:
             self._outbox.put(rid, item)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -232,7 +233,7 @@ def main() -> int:
                   f"{t_before / t_fused:6.2f} {row['fused_hbm']:9.1%} {row['cublas_only_us']:14.2f}")
             if args.sweep and m == 1:
                 grid = []
-                whole = triton_next_pow2(k)
+                whole = triton.next_power_of_2(k)
                 for bn in (2, 4, 8):
                     for bk in sorted({1024, 2048, min(whole, 4096)}):
                         for warps in (4, 8):
@@ -260,10 +261,6 @@ def main() -> int:
         print("FAIL", f)
     print("check_gemv:", "FAILED" if FAILURES else "ok")
     return 1 if FAILURES else 0
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from interpreter_cases import REPO, results_of, run_cases
 

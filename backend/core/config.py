@@ -45,8 +45,8 @@ class EngineConfig:
     # overlap CPU scheduling with device work; None: on for CUDA devices (where the
     # device runs asynchronously), off on CPU (nothing to overlap with)
     enable_overlap: bool | None = None
-    # decode batches of up to 8 rows: each RMSNorm runs inside the projection after it,
-    # and SiLU-and-mul inside the down projection (kernels/gemv.py), on CUDA half types
+    # batch-1 decode on CUDA half types: each RMSNorm runs inside the projection after it,
+    # SiLU-and-mul inside the down projection (kernels/gemv.py)
     enable_fused_gemv: bool = True
 
     # structured decoding

@@ -94,14 +94,15 @@ class Scheduler:
         items = self._extend_decodes(decode)
         budget = self.config.max_prefill_tokens
         for req in partial:
-            if budget > 0:
-                n = min(req.num_uncomputed, budget)
-                if _forced_tokens(req) and not self.config.enable_jump_forward:
-                    n = 1  # forced text without jump-forward: one decode step per token
-                if not self._ensure_free(n):
-                    break
-                items.append(self._extend(req, n))
-                budget -= n
+            if budget <= 0:
+                break
+            n = min(req.num_uncomputed, budget)
+            if _forced_tokens(req) and not self.config.enable_jump_forward:
+                n = 1  # forced text without jump-forward: one decode step per token
+            if not self._ensure_free(n):
+                break
+            items.append(self._extend(req, n))
+            budget -= n
         return items
 
     def retract(self, req: Req) -> None:

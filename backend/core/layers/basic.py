@@ -15,13 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def linear(proj: nn.Linear, x: torch.Tensor, fuse_rows: bool) -> torch.Tensor:
-    """``proj(x)``; with ``fuse_rows``, batch-1 rows take the matrix-vector kernel."""
-    if fuse_rows and rows_fusable(x, proj.weight, proj.bias):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           fuse_rows: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (then cast to ``out_dtype``); with ``fuse_rows``,
+    batch-1 rows take the matrix-vector kernel, which writes ``out_dtype`` directly."""
+    if fuse_rows and rows_fusable(x, weight, bias):
         from ..kernels.gemv import linear_rows
 
-        return linear_rows(x, proj.weight, proj.bias)
-    return proj(x)
+        return linear_rows(x, weight, bias, out_dtype=out_dtype)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def rows_fusable(x: torch.Tensor, *params: torch.Tensor) -> bool:

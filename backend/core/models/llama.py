@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..layers.attention import AttentionBackend
-from ..layers.basic import GatedMLP, RMSNorm, linear, rows_fusable
+from ..layers.basic import GatedMLP, RMSNorm, linear
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -42,7 +41,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = attn.forward_rotary(q, k, v, layer_id, batch, self.scale, rotary)
-        return linear(self.o_proj, out.reshape(-1, self.q_size), self.fuse_rows)
+        o_proj = self.o_proj
+        return linear(out.reshape(-1, self.q_size), o_proj.weight, o_proj.bias, self.fuse_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -57,9 +57,8 @@ class DecoderLayer(nn.Module):
         """Pre-norm block on a residual stream: returns (this block's output, the stream
         before adding it); the next norm adds the two in the same fused step. Each norm
         runs together with the projection after it (``RMSNorm.linear``)."""
-        attn_in = self.self_attn
-        qkv, residual = self.input_layernorm.linear(attn_in.qkv_proj, x, residual)
-        x = attn_in(qkv, batch, attn, rotary, layer_id)
+        qkv, residual = self.input_layernorm.linear(self.self_attn.qkv_proj, x, residual)
+        x = self.self_attn(qkv, batch, attn, rotary, layer_id)
         gate_up, residual = self.post_attention_layernorm.linear(self.mlp.gate_up_proj, x,
                                                                  residual)
         return self.mlp.down(gate_up), residual
@@ -97,12 +96,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head_weight
-        if self.fuse_rows and rows_fusable(hidden, weight):
-            from ..kernels.gemv import linear_rows
-
-            return linear_rows(hidden, weight, out_dtype=torch.float32)
-        return F.linear(hidden, weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.fuse_rows, torch.float32)
 
     # ------------------------------------------------------------------ weights
     _stacked = (  # checkpoint name piece -> (our parameter, shard index)
