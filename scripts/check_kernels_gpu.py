@@ -93,6 +93,48 @@ def check(name, s: Setup, prefix_lens, ext_lens):
           f"{'ok' if ok else 'FAIL'}")
 
 
+def check_rope(name, s: Setup, seq_lens, splits):
+    """decode_attention with ``rope`` (rotary + K/V store in stage 1) == rotary_store_kv
+    then the plain decode kernel: the same output and the same pool, for q/k/v as views
+    of one fused projection output (the model's layout)."""
+    from types import SimpleNamespace
+
+    from backend.core.kernels import DecodeRope
+    from backend.core.kernels.fused import rotary_store_kv
+    from backend.core.layers.rotary import RotaryEmbedding
+    b, *_ = s.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
+    n, h, kvh, d = len(seq_lens), s.h, s.kvh, s.d
+    rot = RotaryEmbedding(SimpleNamespace(rope_theta=500000.0), d, max(seq_lens) + 1).to("cuda")
+    qkv = torch.randn(n, (h + 2 * kvh) * d, device="cuda", dtype=s.dtype)
+    q = qkv[:, :h * d].view(n, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].view(n, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(n, kvh, d)
+    kb, vb = s.pool.k_buffer[0], s.pool.v_buffer[0]
+    kb_ref, vb_ref = kb.clone(), vb.clone()
+    q_ref = q.clone()
+    rotary_store_kv(q_ref, k.clone(), v, b.positions, rot.cos, rot.sin, kb_ref, vb_ref,
+                    b.out_cache_loc)
+    ws = torch.empty(decode_workspace_numel(n, h, d, splits), device="cuda", dtype=torch.float32)
+    out_ref = torch.empty_like(q)
+    decode_attention(q_ref, out_ref, kb_ref, vb_ref, s.r2t.req_to_token, b.req_pool_indices,
+                     b.seq_lens, d ** -0.5, splits, workspace=ws)
+    q_before = q.clone()
+    out = torch.empty_like(q)
+    decode_attention(q, out, kb, vb, s.r2t.req_to_token, b.req_pool_indices, b.seq_lens,
+                     d ** -0.5, splits, workspace=ws,
+                     rope=DecodeRope(k, v, b.positions, rot.cos, rot.sin, b.out_cache_loc))
+    torch.cuda.synchronize()
+    err = (out.float() - out_ref.float()).abs().max().item()
+    err_k = (kb.float() - kb_ref.float()).abs().max().item()
+    ok = (err <= TOL[s.dtype] / 4 and err_k <= 1e-2 * kb_ref.abs().max().item()
+          and torch.equal(vb, vb_ref) and torch.equal(q, q_before)
+          and bool(torch.isfinite(out).all()))
+    if not ok:
+        FAILURES.append(name)
+    print(f"{name:<44} {str(s.dtype)[6:]:>8} {err:>10.2e} {err_k:>10.2e} {'':>10} "
+          f"{'ok' if ok else 'FAIL'}")
+
+
 def check_cuda_graph(s: Setup, batch_size, max_ctx):
     """Capture TritonAttention decode once, replay after changing lengths/rows in place."""
     lens = [s.rng.randint(1, max_ctx - 1) for _ in range(batch_size)]
@@ -213,6 +255,18 @@ def main() -> int:
           [rnd.randint(0, ctx // 2) for _ in range(bsz)],
           [rnd.randint(ctx // 8, ctx // 2) for _ in range(4)] + [1] * (bsz - 4))
     check_cuda_graph(main_setup, min(bsz, 32), ctx)
+    # rotary + store inside decode: the split holding the new token is the last, a middle
+    # one (short rows), or a split boundary (seq_len a multiple of the chunk)
+    for splits in (4, 16, 32):
+        check_rope(f"decode+rope {splits} splits B={bsz}", main_setup,
+                   [1, 2, 64, 512, 513, ctx] + [rnd.randint(1, ctx) for _ in range(bsz - 6)],
+                   splits)
+    check_rope("decode+rope B=1 32 splits ctx 600", main_setup, [600], 32)
+    for h, kvh, d in ((32, 8, 64), (28, 4, 128)):  # Llama-3.2-1B's and Qwen2-7B's heads
+        small = Setup(h, kvh, d, dtype, 16, 1025, seed=h * d)
+        check_rope(f"decode+rope h={h} kvh={kvh} d={d}", small,
+                   [rnd.randint(1, 1024) for _ in range(16)], 16)
+        del small
     for h, kvh, d, dt in [(32, 32, 128, dtype), (28, 4, 128, dtype), (16, 2, 256, dtype),
                           (32, 8, 80, dtype), (16, 4, 96, torch.float16), (8, 2, 64, torch.float32)]:
         small = Setup(h, kvh, d, dt, 16, 1025, seed=h + d)

@@ -119,6 +119,42 @@ def _case_store_kv_strided_cast():
     assert k_buf[untouched].abs().sum().item() == 0 and v_buf[untouched].abs().sum().item() == 0
 
 
+def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL):
+    """decode_attention with ``rope`` == the layer's rotation, the pool store and the
+    plain decode kernel: same output, same pool, q and k left as they were; a padding
+    row (seq_len 0) writes nothing."""
+    from types import SimpleNamespace
+    from backend.core.kernels import DecodeRope, decode_attention, decode_workspace_numel
+    from backend.core.layers.attention import TorchAttention
+    from backend.core.layers.rotary import RotaryEmbedding
+    # 64 = 2 whole 32-slot chunks: the new token opens no split of its own
+    prefix_lens = [0, 2, 44, 299, 63, 5]
+    (ref_pool, pool), r2t, batch, q, k, v = _setup(prefix_lens, [1] * 6, h, kvh, d,
+                                                   seed=d * splits + h, dtype=dtype)
+    rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), d, max_positions=320)
+    q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
+    ref_q, ref_k = rot(batch.positions, q.clone(), k.clone())
+    ref = TorchAttention(ref_pool, r2t).forward(ref_q, ref_k, v, 0, batch, 0.1)
+    # the last row is graph padding: seq_len 0, and its slot must stay untouched
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[-1] = 0
+    pad_slot = int(batch.out_cache_loc[-1])
+    out = torch.full_like(q, float("nan"))
+    ws = torch.full((decode_workspace_numel(6, h, d, splits),), float("nan"))
+    rope = DecodeRope(k, v, batch.positions, rot.cos, rot.sin, batch.out_cache_loc)
+    decode_attention(q, out, pool.k_buffer[0], pool.v_buffer[0], r2t, batch.req_pool_indices,
+                     seq_lens, 0.1, splits, workspace=ws, rope=rope)
+    err = (out[:-1].float() - ref[:-1].float()).abs().max().item()
+    assert err < tol, f"max abs error {err}"
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert torch.equal(q, q_before) and torch.equal(k, k_before) and torch.equal(v, v_before)
+    for got, want in ((pool.k_buffer[0], ref_pool.k_buffer[0]), (pool.v_buffer[0], ref_pool.v_buffer[0])):
+        got, want = got.clone(), want.clone()
+        assert torch.equal(got[pad_slot], torch.zeros_like(got[pad_slot]))  # never written
+        got[pad_slot] = want[pad_slot] = 0
+        assert (got.float() - want.float()).abs().max().item() <= tol / 10
+
+
 # prefix 0 and > 0; an extend of 1 (a decode row in a mixed batch); an extend of 70 spans
 # two 64-row query blocks; 32-slot KV tiles straddle the prefix/new boundary
 EXTEND = dict(prefix_lens=[0, 5, 37, 0], ext_lens=[7, 1, 70, 33])
@@ -144,6 +180,12 @@ for _d in (96, 128):
 for _s in (1, 3, 16):
     CASES[f"decode-splits{_s}"] = (_case_decode_splits, dict(splits=_s))
 CASES["decode-padding-row"] = (_case_decode_padding_row, {})
+# the split holding the new token: the last of 8 (long rows), an early one (short rows)
+for _h, _kvh, _d in HEADS:
+    CASES[f"decode-rope-h{_h}-kvh{_kvh}-d{_d}"] = (_case_decode_rope, dict(h=_h, kvh=_kvh, d=_d, splits=8))
+CASES["decode-rope-splits1"] = (_case_decode_rope, dict(h=4, kvh=2, d=64, splits=1))
+CASES["decode-rope-fp16"] = (_case_decode_rope, dict(h=4, kvh=2, d=128, splits=4,
+                                                     dtype=torch.float16, tol=2e-3))
 CASES["store-kv-strided-cast"] = (_case_store_kv_strided_cast, {})
 
 

@@ -15,12 +15,19 @@ workspace nothing is allocated and nothing syncs. Chunk boundaries are computed 
 kernel, so a request shorter than ``num_kv_splits`` just leaves some splits empty; an
 empty split writes lse = -1e30, which gets weight 0 next to any real split (and a
 request with seq_len 0, e.g. graph padding, gets a 0 output rather than NaN).
+
+Optionally (``rope``) stage 1 also applies the rotary embedding to q and writes the new
+token's rotated K and its V to the pool, which saves the model a launch per layer.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from .fused import check_rotary
 
 LOG2E = 1.4426950408889634
 NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf - inf
@@ -29,11 +36,13 @@ NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf -
 @triton.jit
 def _decode_stage1(
     Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
+    Pos, Cos, Sin, KNew, VNew, Loc,
     qk_scale,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
+    stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -52,8 +61,40 @@ def _decode_stage1(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    qmask = g_mask[:, None] & d_mask[None, :]
+    if ROPE:
+        # rotate-half rotary at this token's position, as kernels/fused.py's rotary does
+        # (float32 math, rounded to q's dtype): lane d pairs with lane d +- HEAD_DIM / 2
+        half: tl.constexpr = HEAD_DIM // 2
+        lo = offs_d < half
+        d_pair = tl.where(lo, offs_d + half, offs_d - half)
+        d_freq = tl.where(lo, offs_d, offs_d - half)
+        sign = tl.where(lo, -1.0, 1.0)
+        pos = tl.load(Pos + b).to(tl.int64)
+        cos = tl.load(Cos + pos * stride_cos + d_freq, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + pos * stride_sin + d_freq, mask=d_mask, other=0.0).to(tl.float32) * sign
+        q1 = tl.load(q_ptr + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
+        q2 = tl.load(q_ptr + d_pair[None, :], mask=qmask, other=0.0).to(tl.float32)
+        q = (q1 * cos[None, :] + q2 * sin[None, :]).to(Q.dtype.element_ty)
+        # the new token's K/V go to their pool slot. Only the split holding the last
+        # position reads that slot, so that program writes it, before its own reads
+        # (the barrier makes the writes visible to all of its threads)
+        if (seq_len > 0) & (split == (seq_len - 1) // tl.maximum(chunk, 1)):
+            slot = tl.load(Loc + b).to(tl.int64)
+            kn_ptr = KNew + b.to(tl.int64) * stride_knb + kv_head * stride_knh
+            k1 = tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            k2 = tl.load(kn_ptr + d_pair, mask=d_mask, other=0.0).to(tl.float32)
+            k_rot = (k1 * cos + k2 * sin).to(KNew.dtype.element_ty)
+            tl.store(KBuf + slot * stride_kbs + kv_head * stride_kbh + offs_d,
+                     k_rot.to(KBuf.dtype.element_ty), mask=d_mask)
+            v_new = tl.load(VNew + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d,
+                            mask=d_mask, other=0.0)
+            tl.store(VBuf + slot * stride_vbs + kv_head * stride_vbh + offs_d,
+                     v_new.to(VBuf.dtype.element_ty), mask=d_mask)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + offs_d[None, :], mask=qmask, other=0.0)
     q = q.to(KBuf.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], NEG_FLOOR, dtype=tl.float32)
@@ -116,17 +157,40 @@ def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int,
     return batch_size * num_heads * num_kv_splits * (head_dim + 1)
 
 
+class DecodeRope(NamedTuple):
+    """The new tokens' rotary embedding and K/V store, folded into ``decode_attention``.
+
+    k, v: [B, KVH, D], k not yet rotated (views of a fused QKV output are fine: unit
+    stride on D); positions: int64 [B]; cos, sin: [max_pos, D/2] (``RotaryEmbedding``'s
+    tables); loc: int64 [B], each token's pool slot, which ``req_to_token`` must already
+    list at position ``seq_lens[b] - 1``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    loc: torch.Tensor
+
+
 def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                      v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      sm_scale: float, num_kv_splits: int,
-                     workspace: torch.Tensor | None = None) -> None:
+                     workspace: torch.Tensor | None = None,
+                     rope: DecodeRope | None = None) -> None:
     """Write into ``o`` [B, H, D] the attention of ``q`` [B, H, D] (one token per request)
     over positions ``0 .. seq_lens[b] - 1`` of row ``req_pool_indices[b]``.
 
     workspace: optional contiguous float32 tensor with at least
     ``decode_workspace_numel(B, H, D, num_kv_splits)`` elements; pass one (and a fixed
     ``num_kv_splits``) when capturing CUDA graphs so the call allocates nothing.
+
+    rope: with it, ``q`` is taken before its rotary embedding (and left as it is), and
+    the new tokens' K/V (``rope.k`` rotated) are written to their pool slots by the
+    same launch: ``fused.rotary_store_kv`` followed by this call, without the launch
+    in between (a batch-1 step of a small model is mostly launch latency).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -144,18 +208,29 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     work_acc = workspace[:n_acc]
     work_lse = workspace[n_acc:numel]
 
+    if rope is not None:
+        check_rotary(q, rope.k, rope.positions, rope.cos, rope.sin)
+        assert rope.v.shape == rope.k.shape == (batch, num_kv_heads, head_dim)
+        assert rope.v.stride(-1) == 1 and rope.loc.shape == (batch,)
+        assert rope.loc.dtype == torch.int64
+        r = rope
+    else:  # placeholders for the unused pointers (ROPE=False compiles them out)
+        r = DecodeRope(q, q, seq_lens, q, q, seq_lens)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     fp32 = k_buffer.dtype == torch.float32
     block_n = 32 if (fp32 or block_d > 128) else 64
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
+        r.positions, r.cos, r.sin, r.k, r.v, r.loc,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        r.cos.stride(0), r.sin.stride(0), r.k.stride(0), r.k.stride(1),
+        r.v.stride(0), r.v.stride(1),
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if fp32 else "tf32",
+        DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
         num_warps=4, num_stages=2,
     )
     _decode_stage2[(batch, num_heads)](

@@ -201,12 +201,12 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     positions: int64 [T], each < cos.shape[0] (not checked on device). cos/sin:
     [max_pos, D/2] with unit last-dim stride (the RotaryEmbedding buffers).
     """
-    _check_rotary(q, k, positions, cos, sin)
+    check_rotary(q, k, positions, cos, sin)
     if q.shape[0]:
         _launch_rotary(q, k, positions, cos, sin, None, None, None, None)
 
 
-def _check_rotary(q, k, positions, cos, sin) -> None:
+def check_rotary(q, k, positions, cos, sin) -> None:
     num_tokens, _, head_dim = q.shape
     assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim
     assert head_dim % 2 == 0 and cos.shape[-1] * 2 == head_dim and sin.shape == cos.shape
@@ -238,7 +238,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``rotary_embedding_(q, k, ...)`` and then ``kv_store.store_kv(k_buffer, v_buffer,
     loc, k, v)`` in one launch; q is rotated in place, k is left unrotated (only its
     pool copy is). Same arguments and constraints as those two functions."""
-    _check_rotary(q, k, positions, cos, sin)
+    check_rotary(q, k, positions, cos, sin)
     assert v.shape == k.shape and v.stride(-1) == 1
     assert loc.shape == (q.shape[0],) and loc.dtype == torch.int64
     assert k_buffer.shape[1:] == k.shape[1:] and v_buffer.shape == k_buffer.shape

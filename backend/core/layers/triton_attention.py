@@ -17,7 +17,8 @@ import torch
 import triton
 
 from ..forward_batch import ForwardBatch
-from ..kernels import decode_attention, decode_workspace_numel, extend_attention, store_kv
+from ..kernels import (DecodeRope, decode_attention, decode_workspace_numel, extend_attention,
+                       store_kv)
 from ..kernels.fused import rotary_store_kv
 from ..memory_pool import KVPool
 from .attention import AttentionBackend
@@ -89,6 +90,10 @@ class TritonAttention(AttentionBackend):
     def forward_rotary(self, q, k, v, layer_id, batch, scale, rotary):
         if not q.is_cuda:  # CPU (the interpreter tests): the rotation's torch reference
             return super().forward_rotary(q, k, v, layer_id, batch, scale, rotary)
+        if batch.is_decode and batch.batch_size:
+            # the decode kernel rotates q and k and stores k and v itself
+            rope = DecodeRope(k, v, batch.positions, rotary.cos, rotary.sin, batch.out_cache_loc)
+            return self._attend(q, layer_id, batch, scale, rope)
         # one launch rotates q and k and writes k and v to their pool slots
         rotary_store_kv(q, k, v, batch.positions, rotary.cos, rotary.sin,
                         self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
@@ -96,8 +101,9 @@ class TritonAttention(AttentionBackend):
         return self._attend(q, layer_id, batch, scale)
 
     def _attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch,
-                scale: float) -> torch.Tensor:
-        """Attention of the new queries over the pool (their own K/V already stored)."""
+                scale: float, rope: DecodeRope | None = None) -> torch.Tensor:
+        """Attention of the new queries over the pool: their own K/V already stored, or
+        (decode with ``rope``) rotated and stored by the decode kernel itself."""
         k_buf = self.kv_pool.k_buffer[layer_id]
         v_buf = self.kv_pool.v_buffer[layer_id]
         out = torch.empty_like(q)
@@ -109,7 +115,7 @@ class TritonAttention(AttentionBackend):
             splits = self.num_kv_splits(batch.batch_size)
             workspace = self._decode_workspace(batch.batch_size, num_heads, splits)
             decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
-                             batch.seq_lens, scale, splits, workspace=workspace)
+                             batch.seq_lens, scale, splits, workspace=workspace, rope=rope)
         else:
             extend_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                              batch.seq_lens, batch.extend_prefix_lens, batch.qo_indptr,
