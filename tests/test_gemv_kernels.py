@@ -80,6 +80,24 @@ def _case_linear(n, k, dtype, bias=False, out_dtype=None):
         assert torch.equal(got, got.to(dtype).to(out_dtype))
 
 
+def _case_norm_logits(n, k, dtype):
+    """The final norm with the LM head (``RMSNorm.linear_weight``, float32 logits): the
+    model-dtype product, widened, as the unfused module path gives it."""
+    from backend.core.kernels import gemv
+    from backend.core.layers.basic import RMSNorm
+    proj, gen = _setup(n, k, dtype, False, 7 * n + k)
+    norm = RMSNorm(k, 1e-6).to(dtype)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    res = (torch.randn(1, k, generator=gen) * 2).to(dtype)
+    ref, ref_res = norm.linear_weight(proj.weight, None, x, res, torch.float32)
+    assert ref.dtype == torch.float32
+    got, got_res = gemv.rmsnorm_linear_rows(x, res, norm.weight, norm.eps, proj.weight,
+                                            out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got_res, ref_res)
+    _check(got.to(dtype), ref.to(dtype), dtype)
+    assert torch.equal(got, got.to(dtype).to(torch.float32))
+
+
 def _case_refuses_batches():
     from backend.core.kernels import gemv
     w = torch.randn(8, 16)
@@ -103,6 +121,8 @@ for _dt, _tag in ((torch.float32, "fp32"), (torch.float16, "fp16")):
     CASES[f"linear-bias-{_tag}"] = (_case_linear, dict(n=70, k=96, dtype=_dt, bias=True))
 CASES["linear-fp16-float32-logits"] = (_case_linear, dict(n=300, k=64, dtype=torch.float16,
                                                          out_dtype=torch.float32))
+CASES["norm-logits-fp16"] = (_case_norm_logits, dict(n=300, k=64, dtype=torch.float16))
+CASES["norm-logits-fp16-looped"] = (_case_norm_logits, dict(n=20, k=5000, dtype=torch.float16))
 CASES["refuses-batches"] = (_case_refuses_batches, {})
 
 

@@ -13,8 +13,9 @@ dummy table row 0 (seq_len 0, so attention reads nothing for them)::
     req_pool_idx    copied                0   (dummy row)
     seq_lens        copied                0
 
-The graph ends at the final norm; the LM head runs outside it on the real rows only, so
-no [B, vocab] buffer is kept per captured size.
+The graph ends before the final norm; the norm and the LM head run outside it on the
+real rows only (one fused launch at batch 1), so no [B, vocab] buffer is kept per
+captured size.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class CudaGraphRunner:
         self.ones = torch.ones(n, **i64)
         self.arange = torch.arange(n + 1, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -71,7 +72,7 @@ class CudaGraphRunner:
             seq_lens_cpu=[1] * size, extend_prefix_lens_cpu=[0] * size,
             extend_seq_lens_cpu=[1] * size, is_decode=True, all_rows=True)
 
-    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         self.req_to_token[batch.req_pool_indices, batch.positions] = batch.out_cache_loc.to(torch.int32)
         self.attn.prepare(batch)
         return self.model(batch, self.attn)
@@ -93,8 +94,8 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final hidden states of the batch's rows (same as an eager forward)."""
+    def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's output for the batch's rows (same as an eager forward)."""
         b = batch.batch_size
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
         packed = batch.decode_inputs
@@ -108,4 +109,5 @@ class CudaGraphRunner:
         if size > b:
             self.inputs[:, b:size].zero_()
         self.graphs[size].replay()
-        return self.outputs[size][:b]
+        x, residual = self.outputs[size]
+        return x[:b], residual[:b]

@@ -132,8 +132,7 @@ class ModelRunner:
                                        output_size=batch.num_tokens)  # no host sync
         self.req_pool.req_to_token[rows, batch.positions] = batch.out_cache_loc.to(torch.int32)
         self.attn.prepare(batch)
-        hidden = self.model(batch, self.attn)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self.model(batch, self.attn))
 
 
 @torch.no_grad()

@@ -152,8 +152,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def rmsnorm_linear_rows(x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None, config=None):
-    """``RMSNorm`` (layers/basic.py) then ``F.linear``, in one launch.
+                        bias: torch.Tensor | None = None, config=None,
+                        out_dtype: torch.dtype | None = None):
+    """``RMSNorm`` (layers/basic.py) then ``F.linear`` (then cast to ``out_dtype``), in
+    one launch.
 
     Without ``residual``: returns ``(linear(norm(x)), x)``. With it: ``s = x + residual``
     and returns ``(linear(norm(s)), s)``, ``s`` in a new tensor. x, residual: [1, K]
@@ -163,11 +165,11 @@ def rmsnorm_linear_rows(x: torch.Tensor, residual: torch.Tensor | None,
     assert norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
     if residual is None:
         return _launch(_NORM, x, weight, bias, norm_weight=norm_weight, eps=eps,
-                       config=config), x
+                       config=config, out_dtype=out_dtype), x
     assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
     res_out = torch.empty_like(x)
     out = _launch(_ADD_NORM, x, weight, bias, res=residual, norm_weight=norm_weight, eps=eps,
-                  res_out=res_out, config=config)
+                  res_out=res_out, config=config, out_dtype=out_dtype)
     return out, res_out
 
 

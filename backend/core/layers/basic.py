@@ -60,15 +60,21 @@ class RMSNorm(nn.Module):
     def linear(self, proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``(proj(norm(x)), x)``; with ``residual``: ``(proj(norm(x + residual)),
         x + residual)``, i.e. ``forward`` followed by the projection."""
-        if self.fuse_rows and rows_fusable(x, self.weight, proj.weight, proj.bias):
+        return self.linear_weight(proj.weight, proj.bias, x, residual)
+
+    def linear_weight(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                      residual: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None):
+        """``linear`` for a bare weight (a tied LM head), its product cast to
+        ``out_dtype``."""
+        if self.fuse_rows and rows_fusable(x, self.weight, weight, bias):
             from ..kernels.gemv import rmsnorm_linear_rows
 
-            return rmsnorm_linear_rows(x, residual, self.weight, self.eps, proj.weight,
-                                       proj.bias)
-        if residual is None:
-            return proj(self(x)), x
-        normed, residual = self(x, residual)
-        return proj(normed), residual
+            return rmsnorm_linear_rows(x, residual, self.weight, self.eps, weight, bias,
+                                       out_dtype=out_dtype)
+        normed, residual = (self(x), x) if residual is None else self(x, residual)
+        y = F.linear(normed, weight, bias)
+        return (y if out_dtype is None else y.to(out_dtype)), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32 like the reference implementations, then cast back

@@ -85,18 +85,21 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Returns the final hidden states of the rows in ``batch.logits_indices``."""
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend):
+        """The residual stream of the rows in ``batch.logits_indices`` before the final
+        norm, as (last block's output, stream before it): ``compute_logits`` runs the
+        norm with the LM head, so a batch-1 step fuses them into one launch."""
         x, residual = self.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, batch, attn, self.rotary, i)
         if not batch.all_rows:
             rows = batch.logits_indices
             x, residual = x[rows], residual[rows]
-        return self.norm(x, residual)[0]
+        return x, residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head_weight, None, self.fuse_rows, torch.float32)
+    def compute_logits(self, stream: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """float32 logits from ``forward``'s output."""
+        return self.norm.linear_weight(self.lm_head_weight, None, *stream, torch.float32)[0]
 
     # ------------------------------------------------------------------ weights
     _stacked = (  # checkpoint name piece -> (our parameter, shard index)
