@@ -28,7 +28,7 @@ LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step cos
 IN_BATCH_SHARE_MIN = 16
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledItem:
     req: Req
     num_new: int  # tokens given KV this step
@@ -59,8 +59,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledItem]:
-        items = self._schedule_running()
-        budget = self.config.max_prefill_tokens - sum(i.num_new for i in items if i.num_new > 1)
+        items, budget = self._schedule_running()
         items += self._schedule_waiting(budget)
         if not self.config.enable_mixed_batch:
             decode = [i for i in items if i.num_new == 1 and i.req.output_ids]
@@ -71,28 +70,33 @@ class Scheduler:
         return items
 
     # ------------------------------------------------------------------ running
-    def _schedule_running(self) -> list[ScheduledItem]:
-        # one pass sorts the running requests (this runs every step, for every request)
+    def _schedule_running(self) -> tuple[list[ScheduledItem], int]:
+        """This step's items for running requests, and the prefill budget left."""
+        # one pass sorts the running requests. It runs every step for every request, so
+        # it reads each length once. A decode whose last (possibly in-flight) token
+        # reaches a length limit gets no step
         decode: list[Req] = []
         partial: list[Req] = []  # prompt (or forced) tokens left to compute
+        ctx = self.context_len
         for r in self.running:
-            left = r.num_uncomputed
+            n_in, n_out = len(r.origin_input_ids), len(r.output_ids)
+            left = n_in + n_out - len(r.kv_indices)
             if left == 1:
-                if not _will_finish(r, self.context_len):
+                if n_out < r.params.max_new_tokens and n_in + n_out < ctx:
                     decode.append(r)
             elif left > 1:
                 partial.append(r)
+        budget = self.config.max_prefill_tokens
         while decode and not self._ensure_free(len(decode)):
             victim = max(decode, key=lambda r: (r.admit_time, r.rid))
             if len(self.running) == 1:
                 # one request alone fills the pool: it cannot grow any further
                 victim.finish_reason = "length"
                 self.forced_finish.append(victim)
-                return []
+                return [], budget
             self.retract(victim)
             decode.remove(victim)
         items = self._extend_decodes(decode)
-        budget = self.config.max_prefill_tokens
         for req in partial:
             if budget <= 0:
                 break
@@ -103,7 +107,7 @@ class Scheduler:
                 break
             items.append(self._extend(req, n))
             budget -= n
-        return items
+        return items, budget
 
     def retract(self, req: Req) -> None:
         """Preempt a running request: cache what it computed, free the rest, requeue it
@@ -227,10 +231,11 @@ class Scheduler:
         slots = self.kv_pool.alloc(len(reqs))
         assert slots is not None, "caller checked free space"
         items = []
+        add = items.append
         for req, slot in zip(reqs, slots):
-            prefix = len(req.kv_indices)
-            req.kv_indices.append(slot)
-            items.append(ScheduledItem(req, 1, prefix, [slot], samples=True))
+            kv = req.kv_indices
+            add(ScheduledItem(req, 1, len(kv), [slot], True))
+            kv.append(slot)
         return items
 
     def _unextend(self, item: ScheduledItem) -> None:
@@ -282,12 +287,6 @@ class Scheduler:
 def _forced_tokens(req: Req) -> bool:
     """Its uncomputed tokens are grammar-forced output appended by a jump, not prompt."""
     return req.grammar is not None and req.num_computed >= len(req.origin_input_ids)
-
-
-def _will_finish(req: Req, context_len: int) -> bool:
-    """Its last (possibly still in-flight) token reaches a length limit."""
-    return len(req.output_ids) >= req.params.max_new_tokens or \
-        len(req.origin_input_ids) + len(req.output_ids) >= context_len
 
 
 def _prompt_cached(req: Req) -> bool:
