@@ -206,12 +206,13 @@ def watch_stop_signals() -> threading.Event | None:
 
 
 def _read_inputs(request) -> dict[str, np.ndarray]:
-    inputs = {}
-    for name in wire.INPUT_NAMES:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            inputs[name] = tensor.as_numpy()
-    return inputs
+    # one inputs() call: pb_utils.get_input_tensor_by_name rebuilds the request's whole
+    # input list for every name it looks up
+    return {name: tensor.as_numpy() for tensor in request.inputs()
+            if (name := tensor.name()) in _INPUT_NAMES}
+
+
+_INPUT_NAMES = frozenset(wire.INPUT_NAMES)
 
 
 def _read_parameters(request) -> dict:
