@@ -36,3 +36,20 @@ def test_all_rows_only_when_the_logits_rows_are_every_token_in_order():
     assert odd.is_decode and not odd.all_rows
     assert not build([2, 5], [1, 1], [1]).all_rows
     assert build([0], [3], [0, 1, 2]).decode_inputs is None  # not a decode batch
+
+
+def test_every_index_array_starts_16_byte_aligned():
+    # Triton specialises kernels on pointer alignment: misaligned views of the shared
+    # buffer made new kernel variants compile in the middle of serving
+    for prefix, new in (([4, 9, 2], [1, 1, 1]), ([0, 3], [5, 2]), ([1], [1]), ([0, 0], [3, 4])):
+        total = sum(new)
+        b = build(prefix, new, list(range(total)) if len(new) % 2 else [total - 1])
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+                     "extend_prefix_lens", "extend_seq_lens", "qo_indptr", "logits_indices"):
+            assert getattr(b, name).data_ptr() % 16 == 0, (name, prefix, new)
+        assert b.positions.tolist() == [p + j for p, n in zip(prefix, new) for j in range(n)]
+        assert b.qo_indptr.tolist()[-1] == total
+    odd = build([4, 9, 2], [1, 1, 1], [0, 1, 2])  # 3 rows: padded apart, still one view
+    assert odd.decode_inputs.stride() == (4, 1)
+    assert odd.decode_inputs.tolist() == [[100, 101, 102], [4, 9, 2], [50, 51, 52],
+                                          [7, 8, 9], [5, 10, 3]]

@@ -22,6 +22,12 @@ import torch
 
 from .transfer import to_device
 
+ALIGN_ELEMS = 2  # int64 elements per 16 bytes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+
 
 @dataclass
 class ForwardBatch:
@@ -40,8 +46,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     is_decode: bool  # every request has exactly one new token
     extra: dict = field(default_factory=dict)
-    # input_ids, positions, out_cache_loc, req_pool_indices and seq_lens back to back
-    # (the device memory they view), when they have one length (decode): [5, B]
+    # input_ids, positions, out_cache_loc, req_pool_indices and seq_lens as the rows of
+    # one strided view of the memory they live in, when they have one length (decode): [5, B]
     decode_inputs: torch.Tensor | None = None
     all_rows: bool = False  # logits_indices is every token row, in order
 
@@ -76,11 +82,22 @@ class ForwardBatch:
             qo_indptr.append(qo_indptr[-1] + n)
 
         # one host->device copy for all index arrays, from pinned memory: a copy from
-        # pageable memory would wait for the device to drain, which defeats overlap
+        # pageable memory would wait for the device to drain, which defeats overlap.
+        # Each array starts 16-byte aligned (an odd length gets one pad element): Triton
+        # compiles a kernel variant per pointer alignment, and views at whatever offset
+        # the lengths gave compiled new variants while serving (~0.5 s stalls each)
         parts = [input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
                  extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices]
-        flat = to_device([v for part in parts for v in part], device)
-        views = flat.split([len(part) for part in parts])
+        values: list[int] = []
+        for part in parts:
+            values.extend(part)
+            if len(part) % ALIGN_ELEMS:
+                values.extend([0] * (ALIGN_ELEMS - len(part) % ALIGN_ELEMS))
+        flat = to_device(values, device)
+        views, start = [], 0
+        for part in parts:
+            views.append(flat[start:start + len(part)])
+            start += _aligned(len(part))
         b = len(seq_lens)
         is_decode = all(n == 1 for n in extend_seq_lens)
         return cls(
@@ -90,7 +107,8 @@ class ForwardBatch:
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(extend_prefix_lens),
             extend_seq_lens_cpu=list(extend_seq_lens),
             is_decode=is_decode,
-            decode_inputs=flat[:5 * b].view(5, b) if is_decode else None,
+            # rows _aligned(b) apart: still one strided copy for the graph runner
+            decode_inputs=flat[:5 * _aligned(b)].view(5, _aligned(b))[:, :b] if is_decode else None,
             all_rows=len(logits_indices) == len(input_ids)
             and logits_indices == list(range(len(input_ids))),
         )
