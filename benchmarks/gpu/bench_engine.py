@@ -234,23 +234,41 @@ def kv_bytes_per_token(eng):
 
 
 class SchedTimer:
-    """Times Scheduler.schedule (radix matching, admission, allocation) from outside."""
+    """Times Scheduler.schedule (radix matching, admission, allocation) from outside.
+
+    Each call is also recorded with what it scheduled, so decode steps (every item one
+    token of a running request) can be told from the few admission steps, which match
+    and allocate whole prompts and would otherwise dominate a mean over all calls."""
 
     def __init__(self, eng):
         self.sched = eng.scheduler
         self.orig = self.sched.schedule
         self.total = 0.0
         self.calls = 0
+        self.decode_calls: dict[int, list[float]] = {}  # batch size -> seconds per call
 
         def timed(*a, **k):
             t = time.perf_counter()
+            items = None
             try:
-                return self.orig(*a, **k)
+                items = self.orig(*a, **k)
+                return items
             finally:
-                self.total += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                self.total += dt
                 self.calls += 1
+                if items and all(i.num_new == 1 and i.req.output_ids for i in items):
+                    self.decode_calls.setdefault(len(items), []).append(dt)
 
         self.sched.schedule = timed
+
+    def decode_stats(self, batch: int) -> dict:
+        """schedule() seconds over the decode steps of ``batch`` requests."""
+        ts = sorted(self.decode_calls.get(batch, []))
+        if not ts:
+            return {}
+        return {"n": len(ts), "mean": statistics.fmean(ts), "p50": ts[len(ts) // 2],
+                "p90": ts[min(len(ts) - 1, int(0.9 * len(ts)))], "max": ts[-1]}
 
     def close(self):
         try:
@@ -312,6 +330,7 @@ def mode_hbm(ctx):
                 rec.write("hbm", name, status="error", error="no steady decode steps found",
                           metrics={"steps_logged": len(step_log)})
                 continue
+            dec = timer.decode_stats(b)
             w_all, w_read = weight_bytes(eng, b)
             kv = b * st["mean_ctx"] * kv_tok
             step_s = st["step_s_median"]
@@ -326,10 +345,15 @@ def mode_hbm(ctx):
                 "decode_tok_per_s": round(b / step_s, 1),
                 # the bound: batch-1 tok/s if a step only streamed all weights
                 "bound_tok_per_s_weights_all": round(bw / w_all, 1),
-                # None when the engine does not call Scheduler.schedule through the instance
+                # None when the engine does not call Scheduler.schedule through the instance.
+                # Per call: the mean over every call, admission steps included
                 "sched_ms_per_call": round(timer.total / timer.calls * 1e3, 4) if timer.calls else None,
                 "sched_calls": timer.calls, "steps_logged": len(step_log),
-                "sched_fraction_of_step": round(timer.total / timer.calls / step_s, 4) if timer.calls else None,
+                "sched_fraction_all_calls": round(timer.total / timer.calls / step_s, 4) if timer.calls else None,
+                # per decode step (all b requests decoding): the target's measure
+                "sched_decode_calls": dec.get("n", 0),
+                **{f"sched_ms_decode_{k}": round(dec[k] * 1e3, 4) for k in ("mean", "p50", "p90", "max") if k in dec},
+                "sched_fraction_of_step": round(dec["mean"] / step_s, 4) if dec else None,
                 **{k: v for k, v in C.summarize(reqs).items() if k in ("ttft_ms", "tpot_ms", "output_tok_per_s")},
             }
             rec.write("hbm", name, m)
