@@ -427,13 +427,21 @@ def mode_prefix(ctx):
             rec.write("prefix", name, status="skipped", error="time budget")
             continue
         try:
-            # an untimed pass first (kernel compiles for these shapes, allocator growth),
-            # then the measured one; both start from an empty cache
+            # an untimed pass first (allocator growth for these shapes), then up to three
+            # measured ones, the median reported: a 1B-shape run lasts 0.1-0.5 s and one
+            # run alone varied by 30%. Every pass starts from an empty cache
             reset_cache(eng)
             run_rounds(eng, make(), SP)
-            reset_cache(eng)
-            sync(ctx["torch"], args.device)
-            m = run_rounds(eng, make(), SP)
+            runs = []
+            for _ in range(3):
+                reset_cache(eng)
+                sync(ctx["torch"], args.device)
+                runs.append(run_rounds(eng, make(), SP))
+                if runs[-1]["duration_s"] > 5.0 or not budget.allows(2 * runs[-1]["duration_s"] + 5):
+                    break
+            runs.sort(key=lambda r: r["output_tok_per_s"] or 0)
+            m = dict(runs[len(runs) // 2])
+            m["reps_output_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
             rec.write("prefix", name, m, status="ok" if m["n_completed"] == m["n_requests"] else "truncated")
         except Exception as exc:  # noqa: BLE001
             rec.write("prefix", name, status="error", error=C.error_text(exc))
