@@ -13,9 +13,10 @@ dummy table row 0 (seq_len 0, so attention reads nothing for them)::
     req_pool_idx    copied                0   (dummy row)
     seq_lens        copied                0
 
-The graph ends before the final norm; the norm and the LM head run outside it on the
-real rows only (one fused launch at batch 1), so no [B, vocab] buffer is kept per
-captured size.
+The graph ends at the final norm and the LM head runs outside it on the real rows only,
+so no [B, vocab] buffer is kept per captured size. At batch 1 with the fused
+matrix-vector kernels the graph ends before the norm instead: the norm runs inside the
+LM head's launch.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class CudaGraphRunner:
         self.ones = torch.ones(n, **i64)
         self.arange = torch.arange(n + 1, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per size: final hidden states, or (batch 1, fused) the stream before the norm
+        self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -72,10 +74,13 @@ class CudaGraphRunner:
             seq_lens_cpu=[1] * size, extend_prefix_lens_cpu=[0] * size,
             extend_seq_lens_cpu=[1] * size, is_decode=True, all_rows=True)
 
-    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, batch: ForwardBatch):
         self.req_to_token[batch.req_pool_indices, batch.positions] = batch.out_cache_loc.to(torch.int32)
         self.attn.prepare(batch)
-        return self.model(batch, self.attn)
+        stream = self.model(batch, self.attn)
+        if batch.batch_size == 1 and getattr(self.model, "fuse_rows", False):
+            return stream  # compute_logits fuses the norm into the LM head's launch
+        return self.model.final_hidden(stream)  # one more launch inside the graph, not after it
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -94,8 +99,8 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-    def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's output for the batch's rows (same as an eager forward)."""
+    def replay(self, batch: ForwardBatch):
+        """What ``compute_logits`` takes, for the batch's rows."""
         b = batch.batch_size
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
         packed = batch.decode_inputs
@@ -109,5 +114,5 @@ class CudaGraphRunner:
         if size > b:
             self.inputs[:, b:size].zero_()
         self.graphs[size].replay()
-        x, residual = self.outputs[size]
-        return x[:b], residual[:b]
+        out = self.outputs[size]
+        return out[:b] if isinstance(out, torch.Tensor) else (out[0][:b], out[1][:b])

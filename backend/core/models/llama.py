@@ -97,9 +97,16 @@ class LlamaForCausalLM(nn.Module):
             x, residual = x[rows], residual[rows]
         return x, residual
 
-    def compute_logits(self, stream: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """float32 logits from ``forward``'s output."""
-        return self.norm.linear_weight(self.lm_head_weight, None, *stream, torch.float32)[0]
+    def final_hidden(self, stream: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """The final norm of ``forward``'s output."""
+        x, residual = stream
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden) -> torch.Tensor:
+        """float32 logits from ``forward``'s output, or from ``final_hidden``'s."""
+        if isinstance(hidden, torch.Tensor):
+            return linear(hidden, self.lm_head_weight, None, self.fuse_rows, torch.float32)
+        return self.norm.linear_weight(self.lm_head_weight, None, *hidden, torch.float32)[0]
 
     # ------------------------------------------------------------------ weights
     _stacked = (  # checkpoint name piece -> (our parameter, shard index)
