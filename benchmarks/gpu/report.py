@@ -289,7 +289,10 @@ def prefix_section(db):
             "Cache hit rate: prompt tokens served from the cache / prompt tokens. Best: an "
             "infinite cache serving in the ideal order (benchmarks/workloads.py BestHitTracker). "
             "Each workload starts from an empty cache; rounds (turns, tree levels) are submitted "
-            "one after the other, each all at once.\n\n" +
+            "one after the other, each all at once. A row is the median of up to three runs "
+            "after an untimed one (rows from calls before call 29: one run); "
+            "a 1B-shape run lasts 0.1-0.5 s, and one run varied by up to 40% between "
+            "processes on one machine.\n\n" +
             table(["model", "workload", "shape", "tok/s cache on", "tok/s cache off", "speed-up",
                    "hit rate", "best", "hit / best", "TTFT ms on", "TTFT ms off"], rows) + "\n")
 
