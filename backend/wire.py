@@ -146,7 +146,7 @@ def _prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
             raise InputError(f"'{INPUT_IDS}' must be a non-empty 1-D list of token ids")
         if int(ids.min()) < 0:
             raise InputError(f"'{INPUT_IDS}' holds a negative token id")
-        return [int(i) for i in ids]
+        return ids.tolist()  # Python ints; ~10x faster than converting one by one
     if TEXT_INPUT not in inputs:
         raise InputError(f"missing input '{TEXT_INPUT}' (or '{INPUT_IDS}')")
     text = _text(inputs[TEXT_INPUT], TEXT_INPUT)

@@ -47,6 +47,8 @@ def test_non_streamed_answers_include_the_prompt_unless_excluded():
 def test_input_ids_prompt():
     job = parse(input_ids=np.array([5, 6, 7], dtype=np.int32))
     assert job.prompt == [5, 6, 7]
+    # plain Python ints: the engine refuses anything that is not an int (numpy's included)
+    assert all(type(t) is int for t in job.prompt)
 
 
 def test_choices_make_a_score_job():
