@@ -34,7 +34,7 @@ class AttentionBackend(ABC):
                        layer_id: int, batch: ForwardBatch, scale: float, rotary) -> torch.Tensor:
         """``forward`` after rotating q and k to their positions with ``rotary`` (a
         ``RotaryEmbedding``). q and k may be modified in place. A backend may fuse the
-        rotation with its KV store."""
+        rotation with its KV store, or (decode) with the attention kernel itself."""
         q, k = rotary(batch.positions, q, k)
         return self.forward(q, k, v, layer_id, batch, scale)
 
