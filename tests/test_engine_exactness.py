@@ -74,3 +74,30 @@ def test_generate_api_returns_results_in_order(tmp_root):
     assert [o.num_prompt_tokens for o in outs] == [len(p) for p in prompts[:6]]
     assert [o.text for o in outs] == [engine.tokenizer.decode(e, skip_special_tokens=True)
                                       for e in expected[:6]]
+
+
+def test_every_form_of_the_model_output_gives_the_same_logits(tmp_root):
+    # what CUDA graphs end with (logits_input), the norm applied (final_hidden) and the
+    # raw residual stream all reach compute_logits and must agree with each other
+    import torch
+
+    from backend.core.forward_batch import ForwardBatch
+    path, prompts, _ = _case(tmp_root, "llama")
+    runner = make_engine(path).runner
+    ids = prompts[0][:6]
+    batch = ForwardBatch.build(input_ids=ids, req_pool_indices=[1], extend_prefix_lens=[0],
+                               extend_seq_lens=[len(ids)], out_cache_loc=list(range(1, 7)),
+                               logits_indices=[2, 5], device="cpu")
+    model = runner.model
+    with torch.inference_mode():
+        runner.req_pool.req_to_token[1, :6] = batch.out_cache_loc.to(torch.int32)
+        runner.attn.prepare(batch)
+        stream = model(batch, runner.attn)
+        forms = [model.compute_logits(h) for h in
+                 (stream, model.final_hidden(stream), model.logits_input(stream))]
+    assert forms[0].shape == (2, runner.vocab_size) and forms[0].dtype == torch.float32
+    assert torch.isfinite(forms[0]).all() and forms[0].std() > 0
+    for other in forms[1:]:
+        assert torch.equal(other, forms[0])
+    # and it is the runner's own answer for the batch
+    assert torch.equal(runner.forward(batch), forms[0])

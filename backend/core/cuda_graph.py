@@ -48,7 +48,8 @@ class CudaGraphRunner:
         self.ones = torch.ones(n, **i64)
         self.arange = torch.arange(n + 1, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # per size: final hidden states, or (batch 1, fused) the stream before the norm
+        # per size: the model's logits_input (final hidden states, or at batch 1 with the
+        # fused kernels the stream before the norm)
         self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
@@ -77,10 +78,8 @@ class CudaGraphRunner:
     def _run(self, batch: ForwardBatch):
         self.req_to_token[batch.req_pool_indices, batch.positions] = batch.out_cache_loc.to(torch.int32)
         self.attn.prepare(batch)
-        stream = self.model(batch, self.attn)
-        if batch.batch_size == 1 and getattr(self.model, "fuse_rows", False):
-            return stream  # compute_logits fuses the norm into the LM head's launch
-        return self.model.final_hidden(stream)  # one more launch inside the graph, not after it
+        # the final norm inside the graph, unless the LM head's launch runs it (batch 1)
+        return self.model.logits_input(self.model(batch, self.attn))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..layers.attention import AttentionBackend
-from ..layers.basic import GatedMLP, RMSNorm, linear
+from ..layers.basic import GatedMLP, RMSNorm, linear, rows_fusable
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -102,8 +102,18 @@ class LlamaForCausalLM(nn.Module):
         x, residual = stream
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
+    def logits_input(self, stream: tuple[torch.Tensor, torch.Tensor | None]):
+        """``forward``'s output taken as far as it goes without the LM head: the final
+        norm, unless ``compute_logits`` runs that norm inside the head's own launch (a
+        fusable batch-1 row). What a CUDA graph of the model ends with."""
+        x, _ = stream
+        if self.norm.fuse_rows and rows_fusable(x, self.norm.weight, self.lm_head_weight):
+            return stream
+        return self.final_hidden(stream)
+
     def compute_logits(self, hidden) -> torch.Tensor:
-        """float32 logits from ``forward``'s output, or from ``final_hidden``'s."""
+        """float32 logits from ``forward``'s, ``final_hidden``'s or ``logits_input``'s
+        output."""
         if isinstance(hidden, torch.Tensor):
             return linear(hidden, self.lm_head_weight, None, self.fuse_rows, torch.float32)
         return self.norm.linear_weight(self.lm_head_weight, None, *hidden, torch.float32)[0]
