@@ -33,6 +33,9 @@ from backend.core.kernels import gemv  # noqa: E402
 from backend.core.kernels.fused import fused_add_rmsnorm, silu_and_mul  # noqa: E402
 from backend.core.layers.basic import RMSNorm  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+from bench_engine import copy_bandwidth  # noqa: E402  (the HBM benchmark's own measure)
+
 DEV = "cuda"
 DT = torch.bfloat16
 SHAPES = {  # name: (kind, N, K); kind picks the prologue
@@ -44,20 +47,6 @@ SHAPES = {  # name: (kind, N, K); kind picks the prologue
 }
 ROWS = (1,)
 FAILURES: list[str] = []
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (s.elapsed_time(e) / 1e3)
 
 
 def weights(n, k, count, gen):
@@ -208,7 +197,7 @@ def main() -> int:
     model_check = check_model(args.model) if args.model else None
     gen = torch.Generator(device=DEV).manual_seed(0)
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch, DEV, 1 << 30)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, L2 {l2 >> 20} MiB")
     rows, sweeps = [], {}
     print(f"{'shape':12s} {'m':>2s} {'maxdiff':>8s} {'before us':>9s} {'fused us':>9s} "

@@ -91,8 +91,7 @@ class ForwardBatch:
         values: list[int] = []
         for part in parts:
             values.extend(part)
-            if len(part) % ALIGN_ELEMS:
-                values.extend([0] * (ALIGN_ELEMS - len(part) % ALIGN_ELEMS))
+            values.extend([0] * (_aligned(len(part)) - len(part)))
         flat = to_device(values, device)
         views, start = [], 0
         for part in parts:

@@ -429,7 +429,7 @@ def mode_prefix(ctx):
         try:
             # an untimed pass first (allocator growth for these shapes), then up to three
             # measured ones, the median reported: a 1B-shape run lasts 0.1-0.5 s and one
-            # run alone varied by 30%. Every pass starts from an empty cache
+            # run alone varied by up to 40%. Every pass starts from an empty cache
             reset_cache(eng)
             run_rounds(eng, make(), SP)
             runs = []

@@ -73,8 +73,7 @@ class RMSNorm(nn.Module):
             return rmsnorm_linear_rows(x, residual, self.weight, self.eps, weight, bias,
                                        out_dtype=out_dtype)
         normed, residual = (self(x), x) if residual is None else self(x, residual)
-        y = F.linear(normed, weight, bias)
-        return (y if out_dtype is None else y.to(out_dtype)), residual
+        return linear(normed, weight, bias, False, out_dtype), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32 like the reference implementations, then cast back
