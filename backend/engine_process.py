@@ -17,9 +17,12 @@ The child (``python -m backend.engine_process FD``) talks over one socket pair:
   stub -> child: ("add", rid, prompt, params) ("score", rid, prompt, choices)
                  ("abort", rid) ("stats", token) ("integrity", token) ("close",)
   child -> stub: ("ready", info) ("init_error", message)
-                 ("out", [output tuples], busy) ("step_error", message)
+                 ("out", [output tuples], busy, sent_at) ("step_error", message)
                  ("reply", token, value)
-The child exits when the socket closes (the stub died) or on "close".
+The child exits when the socket closes (the stub died) or on "close". ``sent_at`` is the
+child's wall clock when the step's outputs left: ``last_made_at`` (the oldest of those the
+last ``step`` returned) and ``transfer`` (the lag from there to the stub's reader) show
+where a response's time went.
 """
 from __future__ import annotations
 
@@ -93,7 +96,10 @@ class EngineProcess:
         self._out_ready = threading.Event()
         self._writer: threading.Thread | None = None
         self._cv = threading.Condition()
-        self._events: collections.deque = collections.deque()  # output lists, step errors
+        # (output list, the child's sent_at) per step message, or a step error (str)
+        self._events: collections.deque = collections.deque()
+        self.last_made_at: float | None = None  # see the module docstring
+        self.transfer = {"messages": 0, "lag_s": 0.0, "max_lag_s": 0.0}
         self._busy = False  # the child had work after its last step
         self._replies: dict[int, Any] = {}
         self._next_token = 0
@@ -235,6 +241,7 @@ class EngineProcess:
             if not self._events and self._dead is None:
                 self._cv.wait(wait_s)
             outputs: list[StepOutput] = []
+            made_at = None
             while self._events:
                 item = self._events[0]
                 if isinstance(item, str):  # a step error
@@ -243,13 +250,19 @@ class EngineProcess:
                     self._events.popleft()
                     raise RuntimeError(item)
                 self._events.popleft()
-                outputs.extend(item)
+                outputs.extend(item[0])
+                made_at = item[1] if made_at is None else made_at
+            self.last_made_at = made_at
             if not outputs and not self._events and self._dead is not None:
                 raise EngineProcessDied(self._dead)
             return outputs
 
     def stats(self) -> dict:
-        return self._call("stats")
+        stats = self._call("stats")
+        with self._cv:
+            transfer = dict(self.transfer)
+        stats["transfer"] = {k: round(v, 6) for k, v in transfer.items()}
+        return stats
 
     def check_integrity(self) -> None:
         error = self._call("integrity")
@@ -279,8 +292,14 @@ class EngineProcess:
                 kind = msg[0]
                 with self._cv:
                     if kind == "out":
-                        self._events.append([StepOutput(*t) for t in msg[1]])
+                        self._events.append(([StepOutput(*t) for t in msg[1]], msg[3]))
                         self._busy = msg[2]
+                        lag = time.time() - msg[3]
+                        transfer = self.transfer
+                        transfer["messages"] += 1
+                        transfer["lag_s"] += lag
+                        if lag > transfer["max_lag_s"]:
+                            transfer["max_lag_s"] = lag
                     elif kind == "reply":
                         self._replies[msg[1]] = msg[2]
                     elif kind == "step_error":
@@ -318,7 +337,7 @@ class _Worker:
 
     def refuse(self, rid: str, message: str) -> None:
         out = StepOutput(rid, 0, [], "", True, "abort", 0, 0, 0, error=message)
-        self.send(("out", [_as_tuple(out)], self.engine.has_work()))
+        self.send(("out", [_as_tuple(out)], self.engine.has_work(), time.time()))
 
     def read(self) -> None:
         """Commands from the stub; add and abort go straight to the engine's inbox."""
@@ -397,9 +416,10 @@ class _Worker:
                 continue
             stepped = time.perf_counter()
             if outputs:
-                self.send(("out", [_as_tuple(o) for o in outputs], engine.has_work()))
+                self.send(("out", [_as_tuple(o) for o in outputs], engine.has_work(),
+                           time.time()))
             elif not engine.has_work():
-                self.send(("out", [], False))
+                self.send(("out", [], False, time.time()))
             timings["step_s"] += stepped - started
             timings["send_s"] += time.perf_counter() - stepped
             timings["steps"] += 1

@@ -355,7 +355,7 @@ class TritonPythonModel:
                 self.logger.log_error(f"radixlm: parsing a request failed: {exc!r}")
                 sink.send_error(f"internal error: {exc}")
                 continue
-            self.loop.submit(job, sink)
+            self.loop.submit(job, sink, request.request_id() if self.loop.tracing else None)
         self.loop.note_intake(started, time.perf_counter(), len(requests))
         return None
 

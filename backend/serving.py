@@ -50,6 +50,10 @@ from backend import wire
 
 log = logging.getLogger("radixlm.serving")
 PROFILE_ENV = "RADIXLM_PROFILE_DIR"  # set: the loop thread is profiled into this folder
+# N > 0: debug stats carry the timelines of the last N requests (wall-clock seconds):
+# intake (handed to submit), made (its first output left the engine), routed (the loop
+# thread picked it up), first_sent / final_sent (a sender's send returned), responses
+TRACE_ENV = "RADIXLM_TRACE_REQUESTS"
 BURST_GAP_S = 0.002  # hand-overs closer than this count as one burst in the intake stats
 
 
@@ -91,6 +95,7 @@ class _Tracked:
     # memory: the final send and each poll hold io_lock, and ``closed`` ends the sink.
     io_lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+    trace: dict | None = None  # the request's timeline, when tracing (TRACE_ENV)
 
     def close_with(self, send: Callable[[], None]) -> None:
         """Send the final response (or error), unless one was already sent."""
@@ -260,6 +265,13 @@ class EngineLoop:
         self._last_intake_end: float | None = None
         self._profiler = None
         self._profile_path: Path | None = None
+        capacity = _env_int(TRACE_ENV)
+        self._traces: collections.deque | None = (collections.deque(maxlen=capacity)
+                                                  if capacity > 0 else None)
+
+    @property
+    def tracing(self) -> bool:
+        return self._traces is not None
 
     def start(self) -> None:
         self._outbox.start()
@@ -283,7 +295,8 @@ class EngineLoop:
             return len(self._active)
 
     # -- called from Triton's execute thread
-    def submit(self, job: wire.Job, sink: ResponseSink) -> None:
+    def submit(self, job: wire.Job, sink: ResponseSink, label: str | None = None) -> None:
+        """``label``: the request's name in traces (Triton's request id)."""
         if self.failure is not None:
             _safe(sink.send_error, f"the engine is not running ({self.failure}); "
                                    "the model is unavailable")
@@ -298,6 +311,9 @@ class EngineLoop:
         prompt_text = job.prompt if isinstance(job.prompt, str) else ""
         n = job.params.n if isinstance(job, wire.GenerateJob) else 1
         tracked = _Tracked(job=job, sink=sink, prompt_text=prompt_text, num_samples=n)
+        if self._traces is not None:
+            tracked.trace = {"id": label or rid, "intake": time.time()}
+            self._traces.append(tracked.trace)
         # Track first: the loop may produce output for rid as soon as the engine has it.
         with self._lock:
             self._active[rid] = tracked
@@ -425,6 +441,8 @@ class EngineLoop:
             _safe(self._metrics.observe_outputs, outputs)
         with self._lock:  # one look-up pass for the whole step
             found = [(out, self._active.get(out.request_id)) for out in outputs]
+        if self._traces is not None and found:
+            self._trace_routed(found)
         self._batch = []
         try:
             for out, tracked in found:
@@ -441,6 +459,25 @@ class EngineLoop:
         self.timings["route_s"] += time.perf_counter() - stepped
         self.timings["steps"] += 1
 
+    def _trace_routed(self, found: list) -> None:
+        routed = time.time()
+        made = getattr(self.engine, "last_made_at", None)  # an engine in another process
+        made = made if isinstance(made, float) else routed
+        for _, tracked in found:
+            trace = tracked.trace if tracked is not None else None
+            if trace is not None and "routed" not in trace:
+                trace["made"], trace["routed"] = made, routed
+
+    @staticmethod
+    def _trace_sent(tracked: _Tracked, final: bool) -> None:
+        trace = tracked.trace
+        if trace is not None:
+            now = time.time()
+            trace.setdefault("first_sent", now)
+            trace["responses"] = trace.get("responses", 0) + 1
+            if final:
+                trace["final_sent"] = now
+
     def _answer_stats(self) -> None:
         while True:
             try:
@@ -456,6 +493,11 @@ class EngineLoop:
             stats["num_pending_requests"] = self.num_active()
             stats["loop"] = {k: round(v, 4) for k, v in self.timings.items()}
             stats["loop"]["queued_responses"] = self._outbox.pending()
+            if self._traces is not None:  # each timeline is reported once
+                traces = []
+                while self._traces:
+                    traces.append(dict(self._traces.popleft()))  # a copy: senders write on
+                stats["trace"] = traces
             if self._profiler is not None:
                 self._dump_profile()
                 self._profiler.enable()
@@ -565,11 +607,13 @@ class EngineLoop:
                                            delta.token_ids, delta.context_ids, delta.logprobs)
         if delta.final:
             tracked.close_with(lambda: tracked.sink.send(payload, True))
+            self._trace_sent(tracked, True)
             return
         with tracked.io_lock:
             if tracked.closed:
                 return
             sent = _safe(tracked.sink.send, payload, False, default=False, ok=True)
+        self._trace_sent(tracked, False)
         if not sent:
             tracked.cancelled = True  # the client is gone: stop generating for it
             self.engine.abort(delta.out.request_id)
@@ -581,7 +625,11 @@ class EngineLoop:
 
     def _finish(self, rid: str, tracked: _Tracked, send: Callable[[], None]) -> None:
         self._retire(rid)
-        self._put(rid, lambda: tracked.close_with(send))
+
+        def final() -> None:
+            tracked.close_with(send)
+            self._trace_sent(tracked, True)
+        self._put(rid, final)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
@@ -611,6 +659,15 @@ def _text_per_step(job: wire.GenerateJob, sink: ResponseSink) -> bool:
     keeps decoding incrementally for them)."""
     wanted = getattr(sink, "wanted", None)
     return job.stream and (wanted is None or wire.TEXT_OUTPUT in wanted)
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name, "").strip()
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        log.warning("%s=%r is not an integer; ignored", name, value)
+        return 0
 
 
 def _safe(fn: Callable, *args, default: Any = None, ok: Any = None) -> Any:

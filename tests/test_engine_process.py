@@ -96,6 +96,18 @@ def test_abort_frees_the_requests_kv_slots(remote):
     remote.check_integrity()
 
 
+def test_outputs_carry_when_they_left_the_child(remote):
+    before = time.time()
+    remote.add_request([60, 61], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
+                       request_id="timed")
+    received = run_until_finished(remote, 1)  # its last step call returned the final output
+    assert received[-1].request_id == "timed"
+    assert before <= remote.last_made_at <= time.time()
+    transfer = remote.stats()["transfer"]
+    assert transfer["messages"] >= 2 and 0 <= transfer["max_lag_s"] < 5
+    assert transfer["lag_s"] <= transfer["messages"] * transfer["max_lag_s"] + 1e-6
+
+
 def test_under_the_engine_loop_streams_and_scores(remote):
     loop = EngineLoop(remote, idle_wait_s=0.01, cancel_poll_s=0.01)
     loop.start()

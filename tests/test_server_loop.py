@@ -326,6 +326,43 @@ def test_loop_timings_count_the_steps_and_the_profile_is_written(tmp_path, monke
     assert "_step" in profile.read_text()
 
 
+def stats_of(loop) -> dict:
+    sink = RecordingSink()
+    loop.submit(wire.StatsJob(), sink)
+    assert sink.closed.wait(5)
+    return json.loads(sink.responses[0][0][wire.STATS][0])
+
+
+def test_request_timelines_are_reported_once_and_in_order_when_tracing(monkeypatch):
+    from backend import serving
+    monkeypatch.setenv(serving.TRACE_ENV, "8")
+    loop = EngineLoop(ScriptedEngine(), idle_wait_s=0.005, cancel_poll_s=0.0)
+    loop.start()
+    try:
+        streamed, whole = RecordingSink(), RecordingSink()
+        loop.submit(generate(max_new_tokens=3), streamed, "client-7")
+        loop.submit(generate(stream=False, max_new_tokens=2), whole)
+        assert streamed.closed.wait(5) and whole.closed.wait(5)
+        wait_for(lambda: loop._outbox.pending() == 0)  # the senders noted their last send
+        first, again = stats_of(loop)["trace"], stats_of(loop)["trace"]
+    finally:
+        loop.stop(timeout_s=5)
+    assert again == []
+    (s,) = [t for t in first if t["id"] == "client-7"]
+    assert s["intake"] <= s["made"] <= s["routed"] <= s["first_sent"] <= s["final_sent"]
+    assert s["responses"] == len(streamed.responses) >= 2
+    (w,) = [t for t in first if t["id"] != "client-7"]
+    assert w["id"].endswith("-1")  # no label: the loop's own request id
+    assert w["responses"] == 1 and w["first_sent"] == w["final_sent"] >= w["routed"]
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
 def test_engine_failure_fails_pending_requests_and_the_loop_keeps_serving(loop):
     loop.engine.fail_next_step = True
     sink = RecordingSink()

@@ -15,8 +15,14 @@ Client: tritonclient.grpc.aio, one bidirectional stream per request (``stream_in
 ``input_ids`` INT32 (no tokenization) and the sampling settings as request parameters
 (``stream``, ``max_tokens``, ``temperature``, ``ignore_eos``: no BYTES input tensor), only
 the outputs the metrics need. Requests are spread over --client-procs processes so that
-the client is not the bottleneck; all share one start time (wall clock). TTFT is the time
-from a request's scheduled arrival to the first response carrying output ids.
+the client is not the bottleneck; all share one start time (wall clock). Each process
+opens its channel (one health RPC) before that time, as a serving client keeps its
+connection: the connect is recorded (``client_connect_ms``), not counted in TTFT. TTFT is
+the time from a request's scheduled arrival to the first response carrying output ids.
+The server traces every request (``RADIXLM_TRACE_REQUESTS``): offline rows split the
+first token's time into ``ttft_parts_ms`` (client send -> stub intake -> output left the
+engine process -> routed by the stub -> sent -> received by the client) and count the
+responses per request.
 The server is stopped at the end (SIGTERM to its process group, then SIGKILL).
 """
 from __future__ import annotations
@@ -114,6 +120,7 @@ class Server:
         if profile_dir:  # backend/serving.py profiles its engine loop thread into it
             env["RADIXLM_PROFILE_DIR"] = profile_dir
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("RADIXLM_TRACE_REQUESTS", "4096")  # request timelines in the stats
         cmd = [python, "-m", "backend.launcher", f"--model-repository={repo}",
                f"--http-port={self.http}", f"--grpc-port={self.grpc}",
                f"--metrics-port={self.metrics}", "--exit-on-error=false", "--log-verbose=0",
@@ -211,12 +218,15 @@ async def _client_async(url, items, t0, n_out, timeout_s):
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
+    started = time.time()
+    await client.is_server_live()  # the channel connects on its first call
+    connect_ms = (time.time() - started) * 1e3
     wanted = [grpcclient.InferRequestedOutput(n) for n in
               ("output_ids", "finish_reason", "num_output_tokens", "num_cached_tokens")]
 
     async def one(idx, arrival, prompt):
         rec = {"idx": idx, "arrival": arrival, "first": None, "end": None, "n_out": 0,
-               "n_in": len(prompt), "cached": 0}
+               "n_in": len(prompt), "cached": 0, "origin": t0, "connect_ms": connect_ms}
         delay = t0 + arrival - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -300,7 +310,47 @@ def warmup(server, args):
     for b, n_in, n_out in shapes:
         run_requests(server.grpc_url, [0.0] * b, C.random_prompts(b, n_in, C.hash_seed("warm", b, n_in)),
                      n_out, args.client_procs, 120)
+    server.stats()  # drains the warm-up's request timelines
     return time.perf_counter() - t
+
+
+# a request's first token, client send to client receive, in consecutive parts
+TTFT_PARTS = (("client_to_intake", "sent", "intake"), ("engine", "intake", "made"),
+              ("to_stub", "made", "routed"), ("stub_send", "routed", "first_sent"),
+              ("to_client", "first_sent", "first"))
+
+
+def timeline_parts(reqs: list[dict], traces: list[dict]) -> dict:
+    """Join client records (request id = index) with the server's timelines: p50/p90 of
+    each part of the time to first token, of the final response's way to the client,
+    and of the responses per request. Empty when no request has a complete timeline."""
+    by_id = {t.get("id"): t for t in traces}
+    parts: dict[str, list[float]] = {name: [] for name, _, _ in TTFT_PARTS}
+    tail, responses = [], []
+    for i, r in enumerate(reqs):
+        t = by_id.get(str(i))
+        if t is None or r.get("first") is None or r.get("end") is None:
+            continue
+        when = dict(t, sent=r["origin"] + r["sent"], first=r["origin"] + r["first"])
+        if not all(isinstance(when.get(k), float) for _, a, b in TTFT_PARTS for k in (a, b)):
+            continue
+        for name, a, b in TTFT_PARTS:
+            parts[name].append((when[b] - when[a]) * 1e3)
+        if isinstance(t.get("final_sent"), float):
+            tail.append((r["origin"] + r["end"] - t["final_sent"]) * 1e3)
+        responses.append(float(t.get("responses", 0)))
+    if not responses:
+        return {}
+
+    def p(values):
+        values = sorted(values)
+        return {"p50": round(values[len(values) // 2], 3),
+                "p90": round(values[min(len(values) - 1, int(len(values) * 0.9))], 3)}
+    out = {"ttft_parts_ms": {name: p(v) for name, v in parts.items()},
+           "responses_per_request": p(responses)}
+    if tail:
+        out["final_to_client_ms"] = p(tail)
+    return out
 
 
 def mode_offline(server, rec, args, budget):
@@ -325,6 +375,11 @@ def mode_offline(server, rec, args, budget):
                 if lags:
                     runs[-1]["client_send_lag_ms"] = {"p50": round(lags[len(lags) // 2], 3),
                                                       "max": round(lags[-1], 3)}
+                connects = sorted(r["connect_ms"] for r in reqs if "connect_ms" in r)
+                if connects:
+                    runs[-1]["client_connect_ms"] = {"p50": round(connects[len(connects) // 2], 3),
+                                                     "max": round(connects[-1], 3)}
+                runs[-1].update(timeline_parts(reqs, (server.stats() or {}).get("trace") or []))
                 if wall > 6.0 or not budget.allows(wall * 2 + 10.0):
                     break
             runs.sort(key=lambda m: m["output_tok_per_s"] or 0)
@@ -332,6 +387,10 @@ def mode_offline(server, rec, args, budget):
             m["reps_output_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
             m.update(batch=b, n_in=n_in, n_out=n_out, client_procs=args.client_procs)
             rec.write("offline", name, m, status="ok" if m["n_completed"] == b else "truncated")
+            if m.get("ttft_parts_ms"):
+                log("  ttft parts p50 (ms): " + ", ".join(
+                    f"{k}={v['p50']}" for k, v in m["ttft_parts_ms"].items())
+                    + f"; responses/request p50={m['responses_per_request']['p50']}")
         except Exception as exc:  # noqa: BLE001
             rec.write("offline", name, status="error", error=C.error_text(exc))
 
