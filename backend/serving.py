@@ -106,18 +106,30 @@ class _Tracked:
             _safe(send)
 
 
-@dataclass
 class _Delta:
-    """Streamed output of one sample, waiting in the outbox."""
+    """Streamed output of one sample, waiting in the outbox: its first step's output and
+    every later one that arrived before a sender took it."""
 
-    tracked: _Tracked
-    sample: _Sample
-    out: Any  # the latest StepOutput (finish reason, counts)
-    text: list[str]
-    token_ids: list[int]
-    logprobs: list
-    context_ids: list[int]  # what precedes the first of token_ids
-    final: bool  # the request's last response
+    __slots__ = ("tracked", "sample", "out", "text", "token_ids", "logprobs", "context_ids",
+                 "final")
+
+    def __init__(self, tracked: _Tracked, sample: _Sample, out, final: bool) -> None:
+        self.tracked, self.sample = tracked, sample
+        self.out = out  # the latest StepOutput (finish reason, counts)
+        self.text = [out.new_text]
+        self.token_ids = list(out.new_token_ids)
+        self.logprobs = list(out.logprobs) if out.logprobs else []
+        self.context_ids = out.context_token_ids  # what precedes the first of token_ids
+        self.final = final  # the request's last response
+
+    def add(self, out, final: bool) -> None:
+        """A later step's output of the same sample."""
+        self.out = out
+        self.text.append(out.new_text)
+        self.token_ids += out.new_token_ids
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        self.final = self.final or final
 
     def absorb(self, later: "_Delta") -> None:
         self.out = later.out
@@ -127,11 +139,17 @@ class _Delta:
         self.final = self.final or later.final
 
 
+# A streamed step output on its way to the outbox: (tracked, sample, StepOutput, final).
+# The outbox adds it to the sample's delta still queued, else queues a new _Delta: a
+# request whose sender is behind costs a few list appends per token, not an object.
+_Streamed = tuple
+
+
 class _Outbox:
     """Per-request ordered queues of pending responses, drained by sender threads.
 
     A request is handled by one sender at a time, so its responses keep their order.
-    Queued deltas of the same sample merge into one response; a callable item (a final
+    Queued output of the same sample merges into one response; a callable item (a final
     non-streamed response, an error) runs after everything queued before it."""
 
     def __init__(self, deliver_delta: Callable[[_Delta], None], num_threads: int) -> None:
@@ -148,16 +166,20 @@ class _Outbox:
         for t in self._threads:
             t.start()
 
-    def put(self, rid: str, item: _Delta | Callable[[], None]) -> None:
+    def put(self, rid: str, item: _Streamed | Callable[[], None]) -> None:
         self.put_many([(rid, item)])
 
-    def put_many(self, items: list[tuple[str, _Delta | Callable[[], None]]]) -> None:
+    def put_many(self, items: list[tuple[str, _Streamed | Callable[[], None]]]) -> None:
         """Queue (request id, item) pairs in order, taking the lock once: a step's outputs
         go in together rather than contending with the senders once per request."""
         woken = 0
         with self._cv:
             for rid, item in items:
                 queued = self._queues.get(rid)
+                if item.__class__ is tuple:  # streamed output
+                    if queued is not None and _merge_streamed(queued, item):
+                        continue
+                    item = _Delta(*item)
                 if queued is None:
                     self._queues[rid] = [item]
                     if rid not in self._busy:
@@ -204,9 +226,10 @@ class _Outbox:
                     self._cv.notify_all()
 
     def _deliver(self, items: list) -> None:
+        # deltas of one sample queued apart (a callable between them) merge here
         merged: dict[int, _Delta] = {}
         for item in items:
-            if isinstance(item, _Delta):
+            if item.__class__ is _Delta:
                 index = item.out.index
                 if index in merged:
                     merged[index].absorb(item)
@@ -530,7 +553,7 @@ class EngineLoop:
             tracked.aborted = True
             self.engine.abort(rid)
 
-    def _put(self, rid: str, item: _Delta | Callable[[], None]) -> None:
+    def _put(self, rid: str, item: _Streamed | Callable[[], None]) -> None:
         """To the outbox; while the loop thread routes a step, with the step's batch
         (only the loop thread puts)."""
         if self._batch is not None:
@@ -566,9 +589,7 @@ class EngineLoop:
             if out.new_token_ids or out.new_text or out.finished:
                 if done:
                     self._retire(out.request_id)
-                self._put(out.request_id, _Delta(
-                    tracked, sample, out, [out.new_text], list(out.new_token_ids),
-                    list(out.logprobs or []), list(out.context_token_ids), done))
+                self._put(out.request_id, (tracked, sample, out, done))
             return
         sample.text.append(out.new_text)
         sample.token_ids.extend(out.new_token_ids)
@@ -650,6 +671,19 @@ class EngineLoop:
         self._fail_all("the model is shutting down")
         self._answer_stats()
         self._outbox.close(max(1.0, deadline - time.monotonic()))
+
+
+def _merge_streamed(queued: list, item: _Streamed) -> bool:
+    """Add a streamed output to its sample's delta among the trailing deltas of a
+    request's queue; False when there is none (a callable comes after it, or none yet)."""
+    sample = item[1]
+    for prev in reversed(queued):
+        if prev.__class__ is not _Delta:
+            return False
+        if prev.sample is sample:
+            prev.add(item[2], item[3])
+            return True
+    return False
 
 
 def _text_per_step(job: wire.GenerateJob, sink: ResponseSink) -> bool:

@@ -91,14 +91,22 @@ class StandInEngine:
 
 
 class CountingSink:
+    """Counts; with ``send_s`` each send also waits that long without the GIL (as a
+    Triton send waits for the server process) and notes when the first one returned."""
     wanted = frozenset({wire.OUTPUT_IDS})
 
-    def __init__(self) -> None:
+    def __init__(self, send_s: float = 0.0) -> None:
+        self.send_s = send_s
         self.responses = 0
         self.tokens = 0
+        self.first_sent: float | None = None
         self.done = threading.Event()
 
     def send(self, outputs, final):
+        if self.send_s:
+            time.sleep(self.send_s)
+        if self.first_sent is None:
+            self.first_sent = time.perf_counter()
         self.responses += 1
         self.tokens += len(outputs[wire.OUTPUT_IDS])
         if final:
@@ -111,7 +119,7 @@ class CountingSink:
         return False
 
 
-def run(batch: int, step_s: float, tokens: int, senders: int) -> dict:
+def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.0) -> dict:
     engine = StandInEngine(step_s, tokens)
     loop = EngineLoop(engine, idle_wait_s=0.005, cancel_poll_s=0.1, sender_threads=senders)
     loop.start()
@@ -119,7 +127,7 @@ def run(batch: int, step_s: float, tokens: int, senders: int) -> dict:
                               wire.STREAM: np.array([True]),
                               wire.SAMPLING_PARAMETERS: np.array(
                                   [f'{{"max_tokens": {tokens}}}'.encode()], dtype=object)}, {})
-    sinks = [CountingSink() for _ in range(batch)]
+    sinks = [CountingSink(send_s) for _ in range(batch)]
     t0 = time.perf_counter()
     for sink in sinks:
         loop.submit(job, sink)
@@ -130,7 +138,9 @@ def run(batch: int, step_s: float, tokens: int, senders: int) -> dict:
     steps = max(1, int(loop.timings["steps"]))
     loop.stop(5)
     assert sum(s.tokens for s in sinks) == batch * tokens
+    first = sorted(s.first_sent - t0 for s in sinks)
     return {"batch": batch, "step_ms": step_s * 1e3, "wall_ms": wall * 1e3,
+            "first_sent_ms_p50": first[len(first) // 2] * 1e3,
             "stand_in_ms": tokens * step_s * 1e3, "route_ms_per_call": loop.timings["route_s"] / steps * 1e3,
             "responses": sum(s.responses for s in sinks), "tokens": batch * tokens}
 
@@ -141,16 +151,19 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 1.3, 2.3])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--senders", type=int, default=int(os.environ.get("RADIXLM_SENDER_THREADS", "2")))
+    ap.add_argument("--send-ms", type=float, default=0.0,
+                    help="each send waits this long without the GIL (a Triton send: ~0.5 ms)")
     args = ap.parse_args()
     sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
     print(f"{'batch':>5} {'step ms':>7} {'wall ms':>8} {'stand-in ms':>11} {'ratio':>6} "
-          f"{'route ms/call':>13} {'responses':>9} {'tokens':>7}")
+          f"{'route ms/call':>13} {'first sent ms':>13} {'responses':>9} {'tokens':>7}")
     for b in args.batch:
         for ms in args.step_ms:
-            r = run(b, ms / 1e3, args.tokens, args.senders)
+            r = run(b, ms / 1e3, args.tokens, args.senders, args.send_ms / 1e3)
             ratio = r["stand_in_ms"] / r["wall_ms"] if r["stand_in_ms"] else float("nan")
             print(f"{b:>5} {ms:>7.2f} {r['wall_ms']:>8.1f} {r['stand_in_ms']:>11.1f} {ratio:>6.2f} "
-                  f"{r['route_ms_per_call']:>13.3f} {r['responses']:>9} {r['tokens']:>7}")
+                  f"{r['route_ms_per_call']:>13.3f} {r['first_sent_ms_p50']:>13.1f} "
+                  f"{r['responses']:>9} {r['tokens']:>7}")
     return 0
 
 
