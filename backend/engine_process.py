@@ -17,12 +17,15 @@ The child (``python -m backend.engine_process FD``) talks over one socket pair:
   stub -> child: ("add", rid, prompt, params) ("score", rid, prompt, choices)
                  ("abort", rid) ("stats", token) ("integrity", token) ("close",)
   child -> stub: ("ready", info) ("init_error", message)
-                 ("out", [output tuples], busy, sent_at) ("step_error", message)
+                 ("out", [output tuples], busy, sent_at, received)
+                 ("step_error", message)
                  ("reply", token, value)
 The child exits when the socket closes (the stub died) or on "close". ``sent_at`` is the
 child's wall clock when the step's outputs left: ``last_made_at`` (the oldest of those the
 last ``step`` returned) and ``transfer`` (the lag from there to the stub's reader) show
-where a response's time went.
+where a response's time went. When the stub traces requests (``RADIXLM_TRACE_REQUESTS``,
+which the child inherits), ``received`` maps each request whose first output is in the
+message to the child's wall clock when its "add" arrived (``received_at`` in the stub).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from backend.core.outputs import StepOutput
+from backend.serving import TRACE_ENV, env_int
 
 log = logging.getLogger("radixlm.engine_process")
 
@@ -99,6 +103,7 @@ class EngineProcess:
         # (output list, the child's sent_at) per step message, or a step error (str)
         self._events: collections.deque = collections.deque()
         self.last_made_at: float | None = None  # see the module docstring
+        self.received_at: dict[str, float] = {}  # see the module docstring
         self.transfer = {"messages": 0, "lag_s": 0.0, "max_lag_s": 0.0}
         self._busy = False  # the child had work after its last step
         self._replies: dict[int, Any] = {}
@@ -294,6 +299,8 @@ class EngineProcess:
                     if kind == "out":
                         self._events.append(([StepOutput(*t) for t in msg[1]], msg[3]))
                         self._busy = msg[2]
+                        if msg[4]:
+                            self.received_at.update(msg[4])
                         lag = time.time() - msg[3]
                         transfer = self.transfer
                         transfer["messages"] += 1
@@ -330,6 +337,18 @@ class _Worker:
         self.controls: collections.deque = collections.deque()
         self.closing = False
         self.timings = {"step_s": 0.0, "send_s": 0.0, "idle_s": 0.0, "steps": 0}
+        # when each traced request's "add" arrived, until its first output leaves
+        self.received: dict[str, float] | None = {} if env_int(TRACE_ENV) > 0 else None
+
+    def firsts(self, outputs) -> dict[str, float] | None:
+        """The arrival times of the requests whose first output is among ``outputs`` (an
+        aborted or refused request has one too: its final)."""
+        received = self.received
+        if not received:
+            return None
+        found = {o.request_id: received.pop(o.request_id) for o in outputs
+                 if o.request_id in received}
+        return found or None
 
     def send(self, msg) -> None:
         with self.send_lock:
@@ -337,7 +356,8 @@ class _Worker:
 
     def refuse(self, rid: str, message: str) -> None:
         out = StepOutput(rid, 0, [], "", True, "abort", 0, 0, 0, error=message)
-        self.send(("out", [_as_tuple(out)], self.engine.has_work(), time.time()))
+        self.send(("out", [_as_tuple(out)], self.engine.has_work(), time.time(),
+                   self.firsts([out])))
 
     def read(self) -> None:
         """Commands from the stub; add and abort go straight to the engine's inbox."""
@@ -359,6 +379,8 @@ class _Worker:
         kind = msg[0]
         if kind == "add":
             _, rid, prompt, params, stream = msg
+            if self.received is not None:
+                self.received[rid] = time.time()
             try:
                 engine.add_request(prompt, params, request_id=rid, stream=stream)
             except ValueError as exc:
@@ -417,9 +439,9 @@ class _Worker:
             stepped = time.perf_counter()
             if outputs:
                 self.send(("out", [_as_tuple(o) for o in outputs], engine.has_work(),
-                           time.time()))
+                           time.time(), self.firsts(outputs)))
             elif not engine.has_work():
-                self.send(("out", [], False, time.time()))
+                self.send(("out", [], False, time.time(), None))
             timings["step_s"] += stepped - started
             timings["send_s"] += time.perf_counter() - stepped
             timings["steps"] += 1

@@ -51,7 +51,8 @@ from backend import wire
 log = logging.getLogger("radixlm.serving")
 PROFILE_ENV = "RADIXLM_PROFILE_DIR"  # set: the loop thread is profiled into this folder
 # N > 0: debug stats carry the timelines of the last N requests (wall-clock seconds):
-# intake (handed to submit), made (its first output left the engine), routed (the loop
+# intake (handed to submit), received (the engine has it: an engine in another process
+# says when; else the intake), made (its first output left the engine), routed (the loop
 # thread picked it up), first_sent / final_sent (a sender's send returned), responses
 TRACE_ENV = "RADIXLM_TRACE_REQUESTS"
 BURST_GAP_S = 0.002  # hand-overs closer than this count as one burst in the intake stats
@@ -288,7 +289,7 @@ class EngineLoop:
         self._last_intake_end: float | None = None
         self._profiler = None
         self._profile_path: Path | None = None
-        capacity = _env_int(TRACE_ENV)
+        capacity = env_int(TRACE_ENV)
         self._traces: collections.deque | None = (collections.deque(maxlen=capacity)
                                                   if capacity > 0 else None)
 
@@ -486,10 +487,13 @@ class EngineLoop:
         routed = time.time()
         made = getattr(self.engine, "last_made_at", None)  # an engine in another process
         made = made if isinstance(made, float) else routed
-        for _, tracked in found:
+        received = getattr(self.engine, "received_at", None)
+        received = received if isinstance(received, dict) else {}
+        for out, tracked in found:
             trace = tracked.trace if tracked is not None else None
             if trace is not None and "routed" not in trace:
                 trace["made"], trace["routed"] = made, routed
+                trace["received"] = received.pop(out.request_id, trace["intake"])
 
     @staticmethod
     def _trace_sent(tracked: _Tracked, final: bool) -> None:
@@ -695,7 +699,7 @@ def _text_per_step(job: wire.GenerateJob, sink: ResponseSink) -> bool:
     return job.stream and (wanted is None or wire.TEXT_OUTPUT in wanted)
 
 
-def _env_int(name: str) -> int:
+def env_int(name: str) -> int:
     value = os.environ.get(name, "").strip()
     try:
         return int(value) if value else 0

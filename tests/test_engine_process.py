@@ -129,6 +129,37 @@ def test_under_the_engine_loop_streams_and_scores(remote):
     remote.check_integrity()
 
 
+def test_traced_requests_say_when_the_child_got_them(model_path, monkeypatch):
+    from backend import serving
+    from backend.core import EngineConfig
+    monkeypatch.setenv(serving.TRACE_ENV, "16")  # the child inherits it
+    engine = EngineProcess(EngineConfig(model_path=str(model_path), **SETTINGS))
+    loop = EngineLoop(engine, idle_wait_s=0.01, cancel_poll_s=0.01)
+    loop.start()
+    try:
+        sink, bad = RecordingSink(), RecordingSink()
+        loop.submit(wire.GenerateJob([30, 31, 32], SamplingParams(max_new_tokens=3, temperature=0.0,
+                                                                  ignore_eos=True), True, False),
+                    sink, "traced")
+        loop.submit(wire.GenerateJob([10**9], SamplingParams(), True, False), bad, "refused")
+        assert sink.closed.wait(60) and bad.closed.wait(60)
+        deadline = time.monotonic() + 5
+        while loop._outbox.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = RecordingSink()
+        loop.submit(wire.StatsJob(), stats)
+        assert stats.closed.wait(60)
+    finally:
+        loop.stop(timeout_s=10)
+        engine.close()
+    import json
+    traces = {t["id"]: t for t in json.loads(stats.responses[0][0][wire.STATS][0])["trace"]}
+    t = traces["traced"]
+    assert t["intake"] < t["received"] <= t["made"] <= t["routed"] <= t["first_sent"]
+    assert traces["refused"]["intake"] < traces["refused"]["received"]  # its error came back
+    assert engine.received_at == {}  # every arrival time was taken by its request
+
+
 def test_sigterm_to_the_child_is_ignored(remote):
     os.kill(remote.pid, signal.SIGTERM)  # what a signal to the server's process group does
     time.sleep(0.3)

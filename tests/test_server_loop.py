@@ -350,6 +350,7 @@ def test_request_timelines_are_reported_once_and_in_order_when_tracing(monkeypat
     assert again == []
     (s,) = [t for t in first if t["id"] == "client-7"]
     assert s["intake"] <= s["made"] <= s["routed"] <= s["first_sent"] <= s["final_sent"]
+    assert s["received"] == s["intake"]  # an in-process engine has it at submit
     assert s["responses"] == len(streamed.responses) >= 2
     (w,) = [t for t in first if t["id"] != "client-7"]
     assert w["id"].endswith("-1")  # no label: the loop's own request id

@@ -20,9 +20,9 @@ opens its channel (one health RPC) before that time, as a serving client keeps i
 connection: the connect is recorded (``client_connect_ms``), not counted in TTFT. TTFT is
 the time from a request's scheduled arrival to the first response carrying output ids.
 The server traces every request (``RADIXLM_TRACE_REQUESTS``): offline rows split the
-first token's time into ``ttft_parts_ms`` (client send -> stub intake -> output left the
-engine process -> routed by the stub -> sent -> received by the client) and count the
-responses per request.
+first token's time into ``ttft_parts_ms`` (client send -> stub intake -> the engine
+process has the request -> its first output leaves the engine process -> routed by the
+stub -> sent -> received by the client) and count the responses per request.
 The server is stopped at the end (SIGTERM to its process group, then SIGKILL).
 """
 from __future__ import annotations
@@ -315,7 +315,8 @@ def warmup(server, args):
 
 
 # a request's first token, client send to client receive, in consecutive parts
-TTFT_PARTS = (("client_to_intake", "sent", "intake"), ("engine", "intake", "made"),
+TTFT_PARTS = (("client_to_intake", "sent", "intake"), ("to_engine", "intake", "received"),
+              ("engine", "received", "made"),
               ("to_stub", "made", "routed"), ("stub_send", "routed", "first_sent"),
               ("to_client", "first_sent", "first"))
 

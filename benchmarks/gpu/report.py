@@ -215,6 +215,46 @@ def offline_section(db):
     return "\n".join(parts)
 
 
+TTFT_PART_LABELS = (("client_to_intake", "client send -> stub intake"),
+                    ("to_engine", "-> the engine process has it"),
+                    ("engine", "-> first output leaves the engine process"),
+                    ("to_stub", "-> routed by the stub"), ("stub_send", "-> sent by the stub"),
+                    ("to_client", "-> received by the client"))
+
+
+def triton_parts_section(db):
+    """Where a streamed request's first token spends its time through tritonserver
+    (bench_triton's request timelines), next to the in-process TTFT of the same call."""
+    rows = []
+    for model in db.models():
+        for w in ROW_ORDER:
+            r = db.get("triton", model, "default", "offline", w)
+            m = r.get("metrics", {}) if r and r.get("status") == "ok" else {}
+            parts = m.get("ttft_parts_ms")
+            if not parts:
+                continue
+            e = db.get("engine", model, "default", "offline", w)
+            same = e if e and e.get("_file") == r.get("_file") else None
+            e_ttft = same["metrics"]["ttft_ms"]["p50"] if same else None
+            rows.append([model, w, fmt(e_ttft, 1), fmt(m["ttft_ms"]["p50"], 1)]
+                        + [fmt(parts[k]["p50"], 1) if k in parts else "—"
+                           for k, _ in TTFT_PART_LABELS]
+                        + [fmt(m.get("responses_per_request", {}).get("p50")),
+                           Path(r["_file"]).stem])
+    if not rows:
+        return ""
+    return ("## Through Triton: where the first token's time goes\n\n"
+            "p50 over a run's requests, ms. Wall clocks of the client, the stub and the engine "
+            "process on one host (`RADIXLM_TRACE_REQUESTS` timelines joined by request id); the "
+            "parts add up to the Triton TTFT. In-process TTFT: the same call's engine row, all "
+            "requests added at once. Responses/request: how many streamed responses carried "
+            "the 128 or 32 tokens (the stub merges the tokens that queued while a send was in "
+            "flight).\n\n"
+            + table(["model", "workload", "in-process TTFT", "Triton TTFT"]
+                    + [label for _, label in TTFT_PART_LABELS] + ["responses/request", "call"],
+                    rows) + "\n")
+
+
 def _parse_row(w):
     import re
     m = re.match(r"b(\d+)_in(\d+)_out(\d+)", w)
@@ -474,8 +514,10 @@ METHOD = """## Method
 - In-process engine (`bench_engine.py`): requests are added between `Engine.step()` calls at
   their arrival times, token times are taken when `step()` returns them.
 - Triton (`bench_triton.py`): tritonserver 2.51 (nvidia-pytriton 0.7.0) with the `radixlm`
-  Python backend, KIND_GPU; tritonclient gRPC aio, one stream per request, `input_ids` INT32,
-  streaming responses; 4 client processes.
+  Python backend, KIND_GPU, the engine in a child process of the stub; tritonclient gRPC
+  aio, one stream per request, `input_ids` INT32, streaming responses; 8 client processes,
+  each with its channel open before the start time (results up to call 31 counted each
+  process's connect in its requests' TTFT).
 - transformers (`bench_hf.py`): `generate` (greedy, dynamic KV cache, default attention) on
   static batches. Online rows: a dynamic-batching server that runs up to 64 waiting requests
   as one static batch; per-batch durations and first-token times are measured with real
@@ -667,7 +709,8 @@ def main(argv=None) -> int:
             "- plots: " + ", ".join(f"[{f}]({f})" for f in figs), ""]
     if any(r.get("quick") for r in recs):
         head.insert(2, "**Includes CPU dry-run (--quick) lines: not performance numbers.**\n")
-    body = [targets_section(db), offline_section(db), online_section(db), prefix_section(db),
+    body = [targets_section(db), offline_section(db), triton_parts_section(db),
+            online_section(db), prefix_section(db),
             hbm_section(db), json_section(db), checks_section(db), not_measured_section(db), METHOD]
     for f in figs:
         body.append(f"![{f}]({f})\n")
