@@ -147,6 +147,16 @@ def sync(torch, device):
 
 
 # ----------------------------------------------------------------------------- modes
+def idle(seconds: float, spin: bool) -> None:
+    """Wait: asleep, or spinning on this thread (the host CPU stays busy, the device idle)."""
+    if not spin:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def mode_offline(ctx):
     eng, rec, args, budget, SP = ctx["eng"], ctx["rec"], ctx["args"], ctx["budget"], ctx["SP"]
     rows = C.QUICK_OFFLINE_ROWS if args.quick else C.OFFLINE_ROWS
@@ -164,6 +174,8 @@ def mode_offline(ctx):
                 prompts = C.random_prompts(b, n_in, C.hash_seed("offline", name, rep))
                 reset_cache(eng)
                 sync(ctx["torch"], args.device)
+                if args.rep_gap_s:  # idle first, as a served burst arrives after a pause
+                    idle(args.rep_gap_s, args.rep_gap_spin)
                 reqs, wall = drive(eng, [0.0] * b, prompts, greedy(SP, n_out))
                 m = C.summarize(reqs)
                 runs.append(m)
@@ -173,7 +185,8 @@ def mode_offline(ctx):
             runs.sort(key=lambda m: m["output_tok_per_s"] or 0)
             m = dict(runs[len(runs) // 2])
             m["reps_output_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
-            m.update(batch=b, n_in=n_in, n_out=n_out)
+            m.update(batch=b, n_in=n_in, n_out=n_out, rep_gap_s=args.rep_gap_s,
+                     rep_gap_spin=args.rep_gap_spin)
             rec.write("offline", name, m, status="ok" if m["n_completed"] == b else "truncated")
         except Exception as exc:  # noqa: BLE001
             rec.write("offline", name, status="error", error=C.error_text(exc))
@@ -613,6 +626,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-radix-cache", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--rep-gap-s", type=float, default=0.0,
+                    help="offline rows: idle this long before each run (bench_triton's runs "
+                         "start after ~1 s of idle while the client processes start)")
+    ap.add_argument("--rep-gap-spin", action="store_true",
+                    help="spend --rep-gap-s spinning on the host instead of asleep")
     ap.add_argument("--config-name", default=None, help="label (default from the flags)")
     ap.add_argument("--online-shapes", default=None,
                     help="comma list of online shapes (default all: in32_out128,in256_out32)")
