@@ -53,3 +53,12 @@ def test_every_index_array_starts_16_byte_aligned():
     assert odd.decode_inputs.stride() == (4, 1)
     assert odd.decode_inputs.tolist() == [[100, 101, 102], [4, 9, 2], [50, 51, 52],
                                           [7, 8, 9], [5, 10, 3]]
+
+
+def test_graph_capture_sizes_end_at_the_limit_itself():
+    from backend.core.cuda_graph import capture_sizes
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(160)[-3:] == [128, 144, 160]
+    sizes = capture_sizes(300)  # not a listed size: still captured, so 257..300 replay
+    assert sizes[-2:] == [256, 300] and sizes == sorted(set(sizes))
+    assert capture_sizes(3) == [1, 2, 3]

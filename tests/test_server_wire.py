@@ -129,6 +129,21 @@ def test_config_parameters_become_an_engine_config(tmp_path):
     assert config.schedule_policy == "fcfs" and config.context_length is None
 
 
+def test_cuda_graphs_cover_every_running_batch_unless_capped(tmp_path):
+    (tmp_path / "m").mkdir()
+    base = {"model_path": str(tmp_path / "m"), "max_running_requests": "300"}
+    default = wire.engine_config_from_parameters(base, [])
+    assert default.cuda_graph_max_batch is None and default.cuda_graph_batch == 300
+    none = wire.engine_config_from_parameters(dict(base, cuda_graph_max_batch="none"), [])
+    assert none.cuda_graph_batch == 300
+    capped = wire.engine_config_from_parameters(dict(base, cuda_graph_max_batch="96"), [])
+    assert capped.cuda_graph_batch == 96
+    many = wire.engine_config_from_parameters(dict(base, max_running_requests="2048"), [])
+    assert many.cuda_graph_batch == 512  # the default's start-up bound
+    with pytest.raises(ValueError, match="cuda_graph_max_batch must be at least 1"):
+        wire.engine_config_from_parameters(dict(base, cuda_graph_max_batch="0"), [])
+
+
 @pytest.mark.parametrize("parameters, message", [
     ({"model_path": "/m", "max_totl_tokens": "1"}, "unknown model parameter 'max_totl_tokens'"),
     ({"model_path": "/m", "max_total_tokens": "lots"}, "max_total_tokens='lots' is not a valid"),

@@ -41,7 +41,9 @@ class EngineConfig:
     # GPU speed features (no-ops on CPU)
     attention_backend: str = "auto"  # "torch", "triton" or "auto"
     enable_cuda_graph: bool = True
-    cuda_graph_max_batch: int = 160
+    # decode batches up to this size replay a CUDA graph; None: max_running_requests (up
+    # to 512), so that no decode batch falls back to eager launches
+    cuda_graph_max_batch: int | None = None
     # overlap CPU scheduling with device work; None: on for CUDA devices (where the
     # device runs asynchronously), off on CPU (nothing to overlap with)
     enable_overlap: bool | None = None
@@ -69,12 +71,20 @@ class EngineConfig:
             raise ValueError("max_running_requests must be at least 1")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be at least 1")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
+            raise ValueError("cuda_graph_max_batch must be at least 1 (or None)")
         if self.starvation_bound < 0:
             raise ValueError("starvation_bound must be >= 0")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be 'auto' or 'dummy'")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton'")
+
+    @property
+    def cuda_graph_batch(self) -> int:
+        """The largest decode batch a CUDA graph is captured for."""
+        limit = 512 if self.cuda_graph_max_batch is None else self.cuda_graph_max_batch
+        return min(limit, self.max_running_requests)
 
     @property
     def overlap(self) -> bool:

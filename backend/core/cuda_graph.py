@@ -33,11 +33,19 @@ CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 1
                  192, 224, 256, 320, 384, 448, 512)
 
 
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """The batch sizes to capture: CAPTURE_SIZES below ``max_batch_size``, then that size
+    itself, so that every decode batch up to it replays a graph (an eager decode step of
+    a large batch is host-bound: several times a graph replay)."""
+    top = max(1, max_batch_size)
+    return [s for s in CAPTURE_SIZES if s < top] + [top]
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn, req_to_token: torch.Tensor,
                  max_batch_size: int, device: torch.device) -> None:
         self.model, self.attn, self.req_to_token = model, attn, req_to_token
-        self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch_size] or [1]
+        self.sizes = capture_sizes(max_batch_size)
         n = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
         # the five per-request inputs as rows of one buffer, in ForwardBatch.decode_inputs

@@ -43,7 +43,7 @@ class ModelRunner:
             from .cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self.model, self.attn, self.req_pool.req_to_token,
-                                          min(config.cuda_graph_max_batch, config.max_running_requests),
+                                          config.cuda_graph_batch,
                                           self.device)
 
     # ------------------------------------------------------------------ set-up

@@ -665,7 +665,7 @@ def main(argv=None) -> int:
               enable_radix_cache=not args.no_radix_cache, schedule_policy="lpm",
               max_total_tokens=None if on_cuda else 32768, max_running_requests=256,
               max_prefill_tokens=8192, enable_cuda_graph=not args.no_cuda_graph,
-              cuda_graph_max_batch=160, enable_overlap=not args.no_overlap,
+              enable_overlap=not args.no_overlap,
               attention_backend="auto", enable_jump_forward=True)
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     for item in args.engine_arg:

@@ -75,7 +75,7 @@ def make_repository(root: Path, model_dir: str, device: str, dtype: str, extra: 
         "load_format": "dummy", "max_total_tokens": "none" if device == "cuda" else "32768",
         "max_running_requests": "256", "max_prefill_tokens": "8192", "schedule_policy": "lpm",
         "enable_radix_cache": "true", "enable_overlap": "true", "enable_cuda_graph": "true",
-        "cuda_graph_max_batch": "160", "attention_backend": "auto",
+        "attention_backend": "auto",
     }
     settings.update({k: str(v) for k, v in extra.items()})
     known = engine_fields()
