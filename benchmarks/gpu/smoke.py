@@ -5,9 +5,10 @@ the same bf16 greedy tokens as eager decode.
 
 Two engines in this process on the same random weights (same seed), one with
 ``enable_cuda_graph=True`` and one with False, both with a fixed 64k-token KV pool. Each
-generates 32 greedy tokens for the same prompts at batch 1 and 8 (sizes a graph is
+generates 32 greedy tokens for the same prompts at batch 1, 8 and 72 (sizes a graph is
 captured at, so both paths run the same kernels on the same shapes: outputs must be
-identical; exit status 1 otherwise) and at batch 5 (padded to a captured size: reported,
+identical; exit status 1 otherwise; 72 is max_running_requests, which is not a listed
+capture size but is captured as the limit) and at batch 5 (padded to a captured size: reported,
 not asserted, since a padded GEMM may pick another kernel and random weights give
 near-tied logits). Also one JSON-schema request (xgrammar present and working) and the
 KV slot integrity check. Appends lines to --out (mode ``check``).
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     base = dict(model_path=args.model, device=args.device,
                 dtype=args.dtype or ("bfloat16" if on_cuda else "float32"), load_format="dummy",
-                max_total_tokens=65536, max_running_requests=64, enable_overlap=True)
+                max_total_tokens=65536, max_running_requests=72, enable_overlap=True)
     engines = {}
     for graph in (True, False):
         kw = {k: v for k, v in dict(base, enable_cuda_graph=graph).items() if k in fields}
@@ -54,10 +55,10 @@ def main(argv=None) -> int:
         if on_cuda:
             torch.cuda.synchronize()
         log(f"engine cuda_graph={graph}: built in {time.perf_counter() - t:.1f}s")
-    prompts = C.random_prompts(8, 32, C.hash_seed("smoke"))
+    prompts = C.random_prompts(72, 32, C.hash_seed("smoke"))
     sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     failed = False
-    for b, asserted in ((1, True), (8, True), (5, False)):
+    for b, asserted in ((1, True), (8, True), (72, True), (5, False)):
         outs, tps = {}, {}
         for graph, eng in engines.items():
             eng.generate(prompts[:b], sp)  # warm (compiles, captures)
