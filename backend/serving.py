@@ -494,6 +494,8 @@ class EngineLoop:
             if trace is not None and "routed" not in trace:
                 trace["made"], trace["routed"] = made, routed
                 trace["received"] = received.pop(out.request_id, trace["intake"])
+            elif trace is None and received:
+                received.pop(out.request_id, None)  # no longer tracked: not kept either
 
     @staticmethod
     def _trace_sent(tracked: _Tracked, final: bool) -> None:

@@ -183,6 +183,25 @@ def test_a_slow_sender_gets_the_tokens_of_several_steps_per_response():
         loop.stop(timeout_s=5)
 
 
+def test_a_slow_sender_merges_each_samples_tokens_apart():
+    """Two samples' step outputs queue interleaved (0, 1, 0, 1, ...) behind a slow send:
+    each joins its own sample's queued response, never the other's."""
+    loop = EngineLoop(ScriptedEngine(), idle_wait_s=0.005, cancel_poll_s=0.0)
+    loop.start()
+    try:
+        sink = SlowSink(0.03)
+        loop.submit(generate(max_new_tokens=30, n=2), sink)
+        assert sink.closed.wait(10)
+    finally:
+        loop.stop(timeout_s=5)
+    assert ids_of(sink, 0) == list(range(1, 31)) and ids_of(sink, 1) == list(range(1, 31))
+    assert len(sink.responses) < 30  # 60 step outputs
+    assert any(len(o[wire.OUTPUT_IDS]) > 1 for o, _ in sink.responses)
+    for out, _ in sink.responses:  # context: the id before each response's first id
+        assert list(out[wire.CONTEXT_IDS]) == [out[wire.OUTPUT_IDS][0] - 1]
+    assert [final for _, final in sink.responses].count(True) == 1 and sink.responses[-1][1]
+
+
 def test_a_blocked_sender_does_not_hold_up_the_engine_or_other_requests(loop):
     release = threading.Event()
 
