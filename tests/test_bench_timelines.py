@@ -1,0 +1,52 @@
+"""bench_triton's split of the time to first token: client records (times from the run's
+origin) joined with the server's request timelines (wall clock) by request id."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+@pytest.fixture(scope="module")
+def bench_triton():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("bench_triton")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def client(origin, sent, first, end):
+    return {"origin": origin, "arrival": 0.0, "sent": sent, "first": first, "end": end}
+
+
+def test_the_parts_add_up_to_the_ttft_and_follow_the_request_ids(bench_triton):
+    origin = 1000.0
+    reqs = [client(origin, 0.001, 0.031, 0.200), client(origin, 0.002, 0.052, 0.300)]
+    traces = [  # in another order than the requests, plus one of another run
+        {"id": "1", "intake": 1000.006, "received": 1000.007, "made": 1000.040,
+         "routed": 1000.041, "first_sent": 1000.050, "final_sent": 1000.299, "responses": 9},
+        {"id": "0", "intake": 1000.003, "received": 1000.004, "made": 1000.020,
+         "routed": 1000.021, "first_sent": 1000.030, "final_sent": 1000.1995, "responses": 5},
+        {"id": "7", "intake": 1.0},
+    ]
+    parts = bench_triton.timeline_parts(reqs, traces)
+    p = {k: v["p50"] for k, v in parts["ttft_parts_ms"].items()}
+    # p50 of two values is the larger one (index len // 2): request 1 in every part
+    assert p == pytest.approx({"client_to_intake": 4.0, "to_engine": 1.0, "engine": 33.0,
+                               "to_stub": 1.0, "stub_send": 9.0, "to_client": 2.0}, abs=1e-6)
+    assert sum(p.values()) == pytest.approx((0.052 - 0.002) * 1e3)  # request 1's TTFT
+    assert parts["responses_per_request"] == {"p50": 9.0, "p90": 9.0}
+    assert parts["final_to_client_ms"]["p50"] == pytest.approx(1.0)
+
+
+def test_requests_without_a_complete_timeline_are_left_out(bench_triton):
+    reqs = [client(0.0, 0.001, 0.01, 0.02)]
+    assert bench_triton.timeline_parts(reqs, []) == {}
+    unrouted = [{"id": "0", "intake": 0.002, "received": 0.003}]  # never got an output
+    assert bench_triton.timeline_parts(reqs, unrouted) == {}
+    assert bench_triton.timeline_parts([dict(reqs[0], first=None)], unrouted) == {}
