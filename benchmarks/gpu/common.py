@@ -187,9 +187,12 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- output
 def git_rev() -> str | None:
+    """The commit, with "-dirty" when tracked files differ from it (a device machine's
+    copy of a working tree may carry an older commit than the code it runs)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True, timeout=5).stdout.strip() or None
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                              cwd=REPO, text=True, capture_output=True,
+                              timeout=5).stdout.strip() or None
     except Exception:
         return None
 
