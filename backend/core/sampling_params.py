@@ -2,12 +2,43 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 # Keys accepted from JSON (Triton ``sampling_parameters``) that are spelled differently here.
 _ALIASES = {"max_tokens": "max_new_tokens"}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# (fields, test, what they must be): checked first, so the ranges compare numbers
+_TYPE_CHECKS = (
+    (("max_new_tokens", "top_k", "n", "logprobs"), _is_int, "an integer"),
+    (("ignore_eos", "skip_special_tokens"), lambda v: isinstance(v, bool), "true or false"),
+    (("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+      "presence_penalty"), _is_number, "a number"),
+)
+# (field, test, requirement in the error message)
+_RANGE_CHECKS = (
+    ("max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("temperature", lambda v: v >= 0.0, ">= 0"),
+    ("top_p", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    ("top_k", lambda v: v == -1 or v >= 0, "-1 or >= 0"),
+    ("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    ("repetition_penalty", lambda v: v > 0.0, "> 0"),
+    ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    ("n", lambda v: 1 <= v <= 64, "in [1, 64]"),
+    ("logprobs", lambda v: 0 <= v <= 20, "in [0, 20]"),
+)
 
 
 @dataclass
@@ -53,7 +84,7 @@ class SamplingParams:
         """Build from a JSON-like dict; unknown keys raise ``ValueError`` naming them."""
         if not isinstance(data, dict):
             raise ValueError("sampling parameters must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = _field_names(cls)
         kwargs: dict[str, Any] = {}
         unknown = []
         for key, value in data.items():
@@ -108,37 +139,23 @@ class SamplingParams:
         return found[0] if found else None
 
     def validate(self) -> None:
+        """Raise ValueError naming the first bad field. Messages are formatted only on
+        failure: every request is validated on the server's intake path."""
         def check(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
 
-        for name in ("max_new_tokens", "top_k", "n", "logprobs"):
+        for names, ok, kind in _TYPE_CHECKS:
+            for name in names:
+                value = getattr(self, name)
+                if not ok(value):
+                    raise ValueError(f"{name} must be {kind}, got {value!r}")
+        for name, ok, requirement in _RANGE_CHECKS:
             value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool),
-                  f"{name} must be an integer, got {value!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
-            check(isinstance(getattr(self, name), bool),
-                  f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            check(isinstance(value, (int, float)) and not isinstance(value, bool),
-                  f"{name} must be a number, got {value!r}")
-        check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 or >= 0, got {self.top_k}")
-        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        check(self.repetition_penalty > 0.0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0,
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(-2.0 <= self.presence_penalty <= 2.0,
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}")
-        check(0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
-        check(self.seed is None or isinstance(self.seed, int) and not isinstance(self.seed, bool),
-              f"seed must be an integer, got {self.seed!r}")
+            if not ok(value):
+                raise ValueError(f"{name} must be {requirement}, got {value}")
+        if not (self.seed is None or _is_int(self.seed)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(self.prompt_logprobs_start is None or self.prompt_logprobs_start >= 0,
               "prompt_logprobs_start must be >= 0")
@@ -147,3 +164,8 @@ class SamplingParams:
                   and all(isinstance(c, str) and c for c in self.choices),
                   "choices must be a non-empty list of non-empty strings")
         self.constraint  # raises on conflicting constraints
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
