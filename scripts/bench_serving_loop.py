@@ -92,17 +92,23 @@ class StandInEngine:
 
 class CountingSink:
     """Counts; with ``send_s`` each send also waits that long without the GIL (as a
-    Triton send waits for the server process) and notes when the first one returned."""
+    Triton send waits for the server process), with ``cpu_s`` it first spins that long
+    holding the GIL (as building the pb_utils tensors and response does), and notes
+    when the first one returned."""
     wanted = frozenset({wire.OUTPUT_IDS})
 
-    def __init__(self, send_s: float = 0.0) -> None:
-        self.send_s = send_s
+    def __init__(self, send_s: float = 0.0, cpu_s: float = 0.0) -> None:
+        self.send_s, self.cpu_s = send_s, cpu_s
         self.responses = 0
         self.tokens = 0
         self.first_sent: float | None = None
         self.done = threading.Event()
 
     def send(self, outputs, final):
+        if self.cpu_s:
+            end = time.perf_counter() + self.cpu_s
+            while time.perf_counter() < end:
+                pass
         if self.send_s:
             time.sleep(self.send_s)
         if self.first_sent is None:
@@ -119,7 +125,8 @@ class CountingSink:
         return False
 
 
-def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.0) -> dict:
+def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.0,
+        cpu_s: float = 0.0) -> dict:
     engine = StandInEngine(step_s, tokens)
     loop = EngineLoop(engine, idle_wait_s=0.005, cancel_poll_s=0.1, sender_threads=senders)
     loop.start()
@@ -127,7 +134,7 @@ def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.
                               wire.STREAM: np.array([True]),
                               wire.SAMPLING_PARAMETERS: np.array(
                                   [f'{{"max_tokens": {tokens}}}'.encode()], dtype=object)}, {})
-    sinks = [CountingSink(send_s) for _ in range(batch)]
+    sinks = [CountingSink(send_s, cpu_s) for _ in range(batch)]
     t0 = time.perf_counter()
     for sink in sinks:
         loop.submit(job, sink)
@@ -153,13 +160,16 @@ def main() -> int:
     ap.add_argument("--senders", type=int, default=int(os.environ.get("RADIXLM_SENDER_THREADS", "2")))
     ap.add_argument("--send-ms", type=float, default=0.0,
                     help="each send waits this long without the GIL (a Triton send: ~0.5 ms)")
+    ap.add_argument("--send-cpu-us", type=float, default=0.0,
+                    help="each send first holds the GIL this long (building the response)")
     args = ap.parse_args()
     sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
     print(f"{'batch':>5} {'step ms':>7} {'wall ms':>8} {'stand-in ms':>11} {'ratio':>6} "
           f"{'route ms/call':>13} {'first sent ms':>13} {'responses':>9} {'tokens':>7}")
     for b in args.batch:
         for ms in args.step_ms:
-            r = run(b, ms / 1e3, args.tokens, args.senders, args.send_ms / 1e3)
+            r = run(b, ms / 1e3, args.tokens, args.senders, args.send_ms / 1e3,
+                    args.send_cpu_us / 1e6)
             ratio = r["stand_in_ms"] / r["wall_ms"] if r["stand_in_ms"] else float("nan")
             print(f"{b:>5} {ms:>7.2f} {r['wall_ms']:>8.1f} {r['stand_in_ms']:>11.1f} {ratio:>6.2f} "
                   f"{r['route_ms_per_call']:>13.3f} {r['first_sent_ms_p50']:>13.1f} "
