@@ -170,7 +170,7 @@ def mode_offline(ctx):
             continue
         try:
             runs = []
-            for rep in range(3):
+            for rep in range(max(1, args.reps)):
                 prompts = C.random_prompts(b, n_in, C.hash_seed("offline", name, rep))
                 reset_cache(eng)
                 sync(ctx["torch"], args.device)
@@ -440,13 +440,13 @@ def mode_prefix(ctx):
             rec.write("prefix", name, status="skipped", error="time budget")
             continue
         try:
-            # an untimed pass first (allocator growth for these shapes), then up to three
-            # measured ones, the median reported: a 1B-shape run lasts 0.1-0.5 s and one
+            # an untimed pass first (allocator growth for these shapes), then up to --reps
+            # (3) measured ones, the median reported: a 1B-shape run lasts 0.1-0.5 s and one
             # run alone varied by up to 40%. Every pass starts from an empty cache
             reset_cache(eng)
             run_rounds(eng, make(), SP)
             runs = []
-            for _ in range(3):
+            for _ in range(max(1, args.reps)):
                 reset_cache(eng)
                 sync(ctx["torch"], args.device)
                 runs.append(run_rounds(eng, make(), SP))

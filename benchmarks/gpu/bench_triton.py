@@ -365,7 +365,7 @@ def mode_offline(server, rec, args, budget):
             continue
         try:
             runs = []
-            for rep in range(3):
+            for rep in range(max(1, args.reps)):
                 prompts = C.random_prompts(b, n_in, C.hash_seed("offline", name, rep))
                 t = time.perf_counter()
                 reqs = run_requests(server.grpc_url, [0.0] * b, prompts, n_out, args.client_procs,

@@ -302,6 +302,9 @@ def add_common_args(ap) -> None:
                     help="results files whose ok items are skipped (resume)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU dry run)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="measured runs of each short offline/prefix row (the median is "
+                         "reported); host-bound 1B rows vary by tens of percent per run")
     ap.add_argument("--online-window-s", type=float, default=10.0,
                     help="arrival window per rate: requests = rate x window (bounded)")
     ap.add_argument("--online-max-requests", type=int, default=300)
