@@ -132,13 +132,6 @@ class _Delta:
             self.logprobs += out.logprobs
         self.final = self.final or final
 
-    def absorb(self, later: "_Delta") -> None:
-        self.out = later.out
-        self.text += later.text
-        self.token_ids += later.token_ids
-        self.logprobs += later.logprobs
-        self.final = self.final or later.final
-
 
 # A streamed step output on its way to the outbox: (tracked, sample, StepOutput, final).
 # The outbox adds it to the sample's delta still queued, else queues a new _Delta: a
@@ -227,25 +220,22 @@ class _Outbox:
                     self._cv.notify_all()
 
     def _deliver(self, items: list) -> None:
-        # deltas of one sample queued apart (a callable between them) merge here
-        merged: dict[int, _Delta] = {}
+        # put_many already merged each sample's step outputs into one delta
+        deltas: list[_Delta] = []
         for item in items:
             if item.__class__ is _Delta:
-                index = item.out.index
-                if index in merged:
-                    merged[index].absorb(item)
-                else:
-                    merged[index] = item
+                deltas.append(item)
                 continue
-            self._flush(merged)
+            self._flush(deltas)
             _safe(item)
-        self._flush(merged)
+        self._flush(deltas)
 
-    def _flush(self, merged: dict[int, _Delta]) -> None:
-        # the request's final response goes last
-        for delta in sorted(merged.values(), key=lambda d: d.final):
+    def _flush(self, deltas: list[_Delta]) -> None:
+        # the request's final response goes last (with n > 1, the sample that finished
+        # last may have had its delta queued before another sample's)
+        for delta in sorted(deltas, key=lambda d: d.final):
             self._deliver_delta(delta)
-        merged.clear()
+        deltas.clear()
 
 
 class EngineLoop:
@@ -485,10 +475,9 @@ class EngineLoop:
 
     def _trace_routed(self, found: list) -> None:
         routed = time.time()
-        made = getattr(self.engine, "last_made_at", None)  # an engine in another process
-        made = made if isinstance(made, float) else routed
-        received = getattr(self.engine, "received_at", None)
-        received = received if isinstance(received, dict) else {}
+        # an engine in another process says when its outputs left and its requests arrived
+        made = getattr(self.engine, "last_made_at", None) or routed
+        received = getattr(self.engine, "received_at", None) or {}
         for out, tracked in found:
             trace = tracked.trace if tracked is not None else None
             if trace is not None and "routed" not in trace:

@@ -36,13 +36,14 @@ def test_the_parts_add_up_to_the_ttft_and_follow_the_request_ids(bench_triton):
     ]
     parts = bench_triton.timeline_parts(reqs, traces)
     p = {k: v["p50"] for k, v in parts["ttft_parts_ms"].items()}
-    # p50 of two values is the larger one (index len // 2): request 1 in every part
-    assert p == pytest.approx({"client_to_intake": 4.0, "to_engine": 1.0, "engine": 33.0,
-                               "to_stub": 1.0, "stub_send": 9.0, "to_client": 2.0}, abs=1e-6)
-    assert sum(p.values()) == pytest.approx((0.052 - 0.002) * 1e3)  # request 1's TTFT
-    assert parts["responses_per_request"] == {"p50": 9.0, "p90": 9.0}
-    assert parts["final_to_client_ms"]["p50"] == pytest.approx(1.0)
-
+    # request 0: 2, 1, 16, 1, 9, 1 ms; request 1: 4, 1, 33, 1, 9, 2 ms; p50 of two: the mean
+    assert p == pytest.approx({"client_to_intake": 3.0, "to_engine": 1.0, "engine": 24.5,
+                               "to_stub": 1.0, "stub_send": 9.0, "to_client": 1.5}, abs=1e-6)
+    assert sum(p.values()) == pytest.approx((0.030 + 0.050) / 2 * 1e3)  # the mean TTFT
+    assert all(v["n"] == 2 for v in parts["ttft_parts_ms"].values())  # request 7: no client
+    assert parts["responses_per_request"]["p50"] == 7.0
+    assert parts["responses_per_request"]["max"] == 9.0
+    assert parts["final_to_client_ms"]["p50"] == pytest.approx(0.75)
 
 def test_requests_without_a_complete_timeline_are_left_out(bench_triton):
     reqs = [client(0.0, 0.001, 0.01, 0.02)]

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 DTYPES = ("float32", "float16", "bfloat16")
+# the largest decode batch captured by default (start-up time grows with each size)
+DEFAULT_GRAPH_BATCH_LIMIT = 512
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "torch", "triton" or "auto"
     enable_cuda_graph: bool = True
     # decode batches up to this size replay a CUDA graph; None: max_running_requests (up
-    # to 512), so that no decode batch falls back to eager launches
+    # to DEFAULT_GRAPH_BATCH_LIMIT), so that no decode batch falls back to eager launches
     cuda_graph_max_batch: int | None = None
     # overlap CPU scheduling with device work; None: on for CUDA devices (where the
     # device runs asynchronously), off on CPU (nothing to overlap with)
@@ -83,7 +85,8 @@ class EngineConfig:
     @property
     def cuda_graph_batch(self) -> int:
         """The largest decode batch a CUDA graph is captured for."""
-        limit = 512 if self.cuda_graph_max_batch is None else self.cuda_graph_max_batch
+        limit = (DEFAULT_GRAPH_BATCH_LIMIT if self.cuda_graph_max_batch is None
+                 else self.cuda_graph_max_batch)
         return min(limit, self.max_running_requests)
 
     @property

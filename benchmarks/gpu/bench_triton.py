@@ -322,8 +322,8 @@ TTFT_PARTS = (("client_to_intake", "sent", "intake"), ("to_engine", "intake", "r
 
 
 def timeline_parts(reqs: list[dict], traces: list[dict]) -> dict:
-    """Join client records (request id = index) with the server's timelines: p50/p90 of
-    each part of the time to first token, of the final response's way to the client,
+    """Join client records (request id = index) with the server's timelines: percentiles
+    (``common.pcts``) of each part of the time to first token, of the final response's way to the client,
     and of the responses per request. Empty when no request has a complete timeline."""
     by_id = {t.get("id"): t for t in traces}
     parts: dict[str, list[float]] = {name: [] for name, _, _ in TTFT_PARTS}
@@ -342,15 +342,10 @@ def timeline_parts(reqs: list[dict], traces: list[dict]) -> dict:
         responses.append(float(t.get("responses", 0)))
     if not responses:
         return {}
-
-    def p(values):
-        values = sorted(values)
-        return {"p50": round(values[len(values) // 2], 3),
-                "p90": round(values[min(len(values) - 1, int(len(values) * 0.9))], 3)}
-    out = {"ttft_parts_ms": {name: p(v) for name, v in parts.items()},
-           "responses_per_request": p(responses)}
+    out = {"ttft_parts_ms": {name: C.pcts(v) for name, v in parts.items()},
+           "responses_per_request": C.pcts(responses)}
     if tail:
-        out["final_to_client_ms"] = p(tail)
+        out["final_to_client_ms"] = C.pcts(tail)
     return out
 
 
@@ -376,10 +371,9 @@ def mode_offline(server, rec, args, budget):
                 if lags:
                     runs[-1]["client_send_lag_ms"] = {"p50": round(lags[len(lags) // 2], 3),
                                                       "max": round(lags[-1], 3)}
-                connects = sorted(r["connect_ms"] for r in reqs if "connect_ms" in r)
+                connects = C.pcts([r["connect_ms"] for r in reqs if "connect_ms" in r])
                 if connects:
-                    runs[-1]["client_connect_ms"] = {"p50": round(connects[len(connects) // 2], 3),
-                                                     "max": round(connects[-1], 3)}
+                    runs[-1]["client_connect_ms"] = connects
                 runs[-1].update(timeline_parts(reqs, (server.stats() or {}).get("trace") or []))
                 if wall > 6.0 or not budget.allows(wall * 2 + 10.0):
                     break
