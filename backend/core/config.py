@@ -46,6 +46,9 @@ class EngineConfig:
     # decode batches up to this size replay a CUDA graph; None: max_running_requests (up
     # to DEFAULT_GRAPH_BATCH_LIMIT), so that no decode batch falls back to eager launches
     cuda_graph_max_batch: int | None = None
+    # extend steps (prefill chunks, mixed prefill + decode batches, jump-forward runs) of
+    # up to this many tokens replay a CUDA graph too; 0: always eager
+    cuda_graph_max_tokens: int = 512
     # overlap CPU scheduling with device work; None: on for CUDA devices (where the
     # device runs asynchronously), off on CPU (nothing to overlap with)
     enable_overlap: bool | None = None
@@ -75,6 +78,8 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens must be at least 1")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError("cuda_graph_max_batch must be at least 1 (or None)")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError("cuda_graph_max_tokens must be >= 0 (0: no extend graphs)")
         if self.starvation_bound < 0:
             raise ValueError("starvation_bound must be >= 0")
         if self.load_format not in ("auto", "dummy"):

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: capture once per batch size, replay padded.
+"""CUDA graphs for decode steps (``CudaGraphRunner``) and for short extend steps
+(``ExtendGraphRunner``): capture once per size, replay padded.
 
 Small decode batches are bound by kernel-launch overhead, not by the GPU: one graph
 replay replaces a few hundred launches. Each captured graph reads its inputs from static
@@ -17,6 +18,24 @@ The graph ends at the final norm and the LM head runs outside it on the real row
 so no [B, vocab] buffer is kept per captured size. At batch 1 with the fused
 matrix-vector kernels the graph ends before the norm instead: the norm runs inside the
 LM head's launch.
+
+Extend steps (a prompt or a chunk of one, decode rows riding along with it, a
+jump-forward run) are launch-bound too while they are short: an eager step of the 1B
+shape costs ~8 ms of host time for ~2 ms of device work. ``ExtendGraphRunner`` captures
+graphs per token count T (up to ``cuda_graph_max_tokens``), each for up to R = min(T,
+max_running_requests) requests, since every request brings at least one token, and one
+per class of the longest extend (up to 16, 32 or 64 tokens, or T), which sets the extend
+kernel's tile as in an eager step::
+
+    static tokens:    | real tokens (t) | padding (T - t): id 0, position 0, slot 0 |
+    static requests:  | real (b)        | padding (R - b): row 0, lengths 0          |
+    qo_indptr:        | real (b + 1)    | t, t, ...  (padding requests own no token) |
+    logits_indices:   | real (l)        | 0, 0, ...                                  |
+
+The extend kernel's programs for padding requests return at once (no tokens), padding
+tokens write only the dummy KV slot 0, and their rows are computed and dropped. Where
+each new token's KV lives (``req_to_token``) is written before the replay, outside the
+graph, from the real batch.
 """
 from __future__ import annotations
 
@@ -31,6 +50,29 @@ logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160,
                  192, 224, 256, 320, 384, 448, 512)
+
+
+EXTEND_CAPTURE_TOKENS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512,
+                         640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+
+
+def extend_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts to capture extend graphs for: EXTEND_CAPTURE_TOKENS below
+    ``max_tokens``, then ``max_tokens`` itself; none for 0."""
+    if max_tokens <= 0:
+        return []
+    return [s for s in EXTEND_CAPTURE_TOKENS if s < max_tokens] + [max_tokens]
+
+
+EXTEND_TILE_CLASSES = (16, 32, 64)
+
+
+def extend_classes(size: int) -> list[int]:
+    """The longest-extend classes a graph of ``size`` tokens is captured for: the extend
+    kernel's query tile follows the longest extend in the batch (16 rows for decode rows
+    and short runs, up to 128 for long prompts), so each class is its own graph, and a
+    replay runs the tile an eager step of the same batch would."""
+    return [c for c in EXTEND_TILE_CLASSES if c < size] + [size]
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -123,3 +165,143 @@ class CudaGraphRunner:
         self.graphs[size].replay()
         out = self.outputs[size]
         return out[:b] if isinstance(out, torch.Tensor) else (out[0][:b], out[1][:b])
+
+
+class ExtendGraphRunner:
+    """Graphs for extend batches of at most ``max_tokens`` tokens (module docstring).
+
+    ``use_graphs=False`` keeps the padded static buffers and replays by running the same
+    padded batch eagerly: what the CPU tests check the padding with, since CUDA graphs
+    need a GPU.
+    """
+
+    def __init__(self, model: torch.nn.Module, attn, max_tokens: int, max_requests: int,
+                 device: torch.device, pool=None, use_graphs: bool = True) -> None:
+        self.model, self.attn = model, attn
+        self.sizes = extend_capture_sizes(max_tokens)
+        if not self.sizes:
+            raise ValueError("ExtendGraphRunner needs max_tokens >= 1")
+        self.max_requests = max(1, max_requests)
+        n, r = self.sizes[-1], self.rows_for(self.sizes[-1])
+        i64 = dict(dtype=torch.int64, device=device)
+        # rows in ForwardBatch.token_inputs / request_inputs order: one copy each
+        self.tokens = torch.zeros(3, n, **i64)  # input_ids, positions, out_cache_loc
+        self.requests = torch.zeros(4, r, **i64)  # row, seq_len, prefix, extend len
+        self.qo_indptr = torch.zeros(r + 1, **i64)
+        self.logits_indices = torch.zeros(r, **i64)
+        self.use_graphs = use_graphs
+        # per (size, extend class): the graph and its model(batch) output
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        if use_graphs:
+            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            self._capture_all()
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sizes[-1]
+
+    def rows_for(self, size: int) -> int:
+        """Requests (and logits rows) a graph of ``size`` tokens has room for."""
+        return min(size, self.max_requests)
+
+    def size_for(self, num_tokens: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        t = batch.num_tokens
+        if not 0 < t <= self.max_tokens or batch.batch_size == 0:
+            return False
+        rows = self.rows_for(self.size_for(t))
+        return batch.batch_size <= rows and batch.logits_indices.shape[0] <= rows
+
+    @staticmethod
+    def class_for(max_extend_len: int, size: int) -> int:
+        return next(c for c in extend_classes(size) if c >= max_extend_len)
+
+    def _static_batch(self, size: int, longest: int) -> ForwardBatch:
+        r = self.rows_for(size)
+        input_ids, positions, out_cache_loc = (buf[:size] for buf in self.tokens)
+        rows, seq_lens, prefix_lens, extend_lens = (buf[:r] for buf in self.requests)
+        return ForwardBatch(
+            input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+            req_pool_indices=rows, seq_lens=seq_lens, extend_prefix_lens=prefix_lens,
+            extend_seq_lens=extend_lens, qo_indptr=self.qo_indptr[:r + 1],
+            logits_indices=self.logits_indices[:r],
+            # host lists only size the launches: r requests, extends of up to `longest`
+            # tokens; the kernels read the real lengths from the device
+            seq_lens_cpu=[size] * r, extend_prefix_lens_cpu=[0] * r,
+            extend_seq_lens_cpu=[longest] + [0] * (r - 1), is_decode=False, all_rows=False)
+
+    def _run(self, batch: ForwardBatch):
+        # the graph ends at the logits rows' residual stream, before the final norm: the
+        # LM head runs outside it, as in an eager step (the norm inside the head's launch
+        # for one row), so a graph and an eager step give the same logits
+        self.attn.prepare(batch)
+        return self.model(batch, self.attn)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):  # largest first: later ones reuse its pool
+                self._pad(size, 0, 0, 0)  # all padding: writes only the dummy slot
+                for longest in reversed(extend_classes(size)):
+                    batch = self._static_batch(size, longest)
+                    for _ in range(2):  # compile Triton kernels, settle allocations
+                        self._run(batch)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        self.outputs[size, longest] = self._run(batch)
+                    self.graphs[size, longest] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for extend steps of up to %s tokens", self.sizes)
+
+    def _pad(self, size: int, t: int, b: int, nl: int) -> None:
+        """Padding past the real t tokens, b requests and nl logits rows."""
+        r = self.rows_for(size)
+        if size > t:
+            self.tokens[:, t:size].zero_()
+        if r > b:
+            self.requests[:, b:r].zero_()
+            self.qo_indptr[b + 1:r + 1].fill_(t)
+        if r > nl:
+            self.logits_indices[nl:r].zero_()
+
+    def load(self, batch: ForwardBatch) -> int:
+        """Copy ``batch`` into the static buffers, padded; the captured size it fits."""
+        t, b = batch.num_tokens, batch.batch_size
+        nl = int(batch.logits_indices.shape[0])
+        size = self.size_for(t)
+        tokens, requests = batch.token_inputs, batch.request_inputs
+        if tokens is not None and tokens.data_ptr() == batch.input_ids.data_ptr():
+            self.tokens[:, :t].copy_(tokens)
+        else:  # fields replaced after build: each from where it is now
+            for buf, src in zip(self.tokens, (batch.input_ids, batch.positions,
+                                              batch.out_cache_loc)):
+                buf[:t].copy_(src)
+        if requests is not None and requests.data_ptr() == batch.req_pool_indices.data_ptr():
+            self.requests[:, :b].copy_(requests)
+        else:
+            for buf, src in zip(self.requests, (batch.req_pool_indices, batch.seq_lens,
+                                                batch.extend_prefix_lens, batch.extend_seq_lens)):
+                buf[:b].copy_(src)
+        self.qo_indptr[:b + 1].copy_(batch.qo_indptr)
+        self.logits_indices[:nl].copy_(batch.logits_indices)
+        self._pad(size, t, b, nl)
+        return size
+
+    def replay(self, batch: ForwardBatch):
+        """``model(batch)`` for the batch's logits rows (what ``compute_logits`` takes).
+        The caller has recorded the batch's KV slots in ``req_to_token``."""
+        nl = int(batch.logits_indices.shape[0])
+        size = self.load(batch)
+        key = (size, self.class_for(batch.max_extend_len, size))
+        if self.use_graphs:
+            self.graphs[key].replay()
+            x, residual = self.outputs[key]
+        else:
+            x, residual = self._run(self._static_batch(*key))
+        return x[:nl], residual[:nl]

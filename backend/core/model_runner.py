@@ -37,14 +37,19 @@ class ModelRunner:
                                        str(self.device))
         self.attn = self._make_attention()
         self.graphs = None
+        self.extend_graphs = None
         if self.device.type == "cuda":
             self.warm_up()
         if self.device.type == "cuda" and config.enable_cuda_graph and self.attn.supports_cuda_graph:
-            from .cuda_graph import CudaGraphRunner
+            from .cuda_graph import CudaGraphRunner, ExtendGraphRunner
 
             self.graphs = CudaGraphRunner(self.model, self.attn, self.req_pool.req_to_token,
                                           config.cuda_graph_batch,
                                           self.device)
+            if config.cuda_graph_max_tokens > 0:
+                self.extend_graphs = ExtendGraphRunner(
+                    self.model, self.attn, config.cuda_graph_max_tokens,
+                    config.max_running_requests, self.device, pool=self.graphs.pool)
 
     # ------------------------------------------------------------------ set-up
     def _load_model(self) -> torch.nn.Module:
@@ -127,12 +132,19 @@ class ModelRunner:
         """Logits (float32) of the rows ``batch.logits_indices``."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.model.compute_logits(self.graphs.replay(batch))
-        # record where this step's tokens live, so attention can find them by position
-        rows = torch.repeat_interleave(batch.req_pool_indices, batch.extend_seq_lens,
-                                       output_size=batch.num_tokens)  # no host sync
-        self.req_pool.req_to_token[rows, batch.positions] = batch.out_cache_loc.to(torch.int32)
+        record_slots(self.req_pool.req_to_token, batch)
+        if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+            return self.model.compute_logits(self.extend_graphs.replay(batch))
         self.attn.prepare(batch)
         return self.model.compute_logits(self.model(batch, self.attn))
+
+
+def record_slots(req_to_token: torch.Tensor, batch: ForwardBatch) -> None:
+    """Write where ``batch``'s new tokens live into ``req_to_token``, so attention finds
+    them by position (a decode graph does this inside the graph)."""
+    rows = torch.repeat_interleave(batch.req_pool_indices, batch.extend_seq_lens,
+                                   output_size=batch.num_tokens)  # no host sync
+    req_to_token[rows, batch.positions] = batch.out_cache_loc.to(torch.int32)
 
 
 @torch.no_grad()

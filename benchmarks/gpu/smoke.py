@@ -10,7 +10,16 @@ captured at, so both paths run the same kernels on the same shapes: outputs must
 identical; exit status 1 otherwise; 72 is max_running_requests, which is not a listed
 capture size but is captured as the limit) and at batch 5 (padded to a captured size: reported,
 not asserted, since a padded GEMM may pick another kernel and random weights give
-near-tied logits). Also one JSON-schema request (xgrammar present and working) and the
+near-tied logits). Extend steps replay graphs too (prompts of up to
+``cuda_graph_max_tokens`` tokens): the batch-1, 8 and 5 prompts (32, 256 and 160 tokens)
+are captured sizes, and a graph runs the extend kernel's tile an eager step would, so
+their prefills must match as well. A staggered run then adds one
+request per step to decoding ones (mixed prefill + decode steps, most padded, some with a
+cached prefix): reported, not asserted, for the same reason as batch 5. Before all that,
+three extend steps go straight through both model runners: at captured token counts
+(128 tokens of 3 requests with 40 logits rows, then 32 tokens on their cached prefixes)
+the logits must be bit-identical; so must a padded one (100 tokens in the 128 graph)
+with the same step run eagerly on 128 rows (its padding as a dummy request). Also one JSON-schema request (xgrammar present and working) and the
 KV slot integrity check. Appends lines to --out (mode ``check``).
 """
 from __future__ import annotations
@@ -55,15 +64,23 @@ def main(argv=None) -> int:
         if on_cuda:
             torch.cuda.synchronize()
         log(f"engine cuda_graph={graph}: built in {time.perf_counter() - t:.1f}s")
-    prompts = C.random_prompts(72, 32, C.hash_seed("smoke"))
-    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     failed = False
+    for name, metrics, ok in _extend_logits(engines) if on_cuda else []:  # graphs: CUDA only
+        rec.write("check", name, metrics, status="ok" if ok else "error",
+                  error=None if ok else "extend-graph logits differ from eager")
+        failed |= not ok
+    # disjoint prompts per batch size: a prompt cached by an earlier batch would turn the
+    # next batch's prefill into a padded one (one new token for it)
+    prompts = C.random_prompts(1 + 8 + 72 + 5, 32, C.hash_seed("smoke"))
+    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    start = 0
     for b, asserted in ((1, True), (8, True), (72, True), (5, False)):
         outs, tps = {}, {}
+        batch_prompts, start = prompts[start:start + b], start + b
         for graph, eng in engines.items():
-            eng.generate(prompts[:b], sp)  # warm (compiles, captures)
+            eng.generate(batch_prompts, sp)  # warm (compiles, captures)
             t = time.perf_counter()
-            res = eng.generate(prompts[:b], sp)
+            res = eng.generate(batch_prompts, sp)
             if on_cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t
@@ -82,6 +99,13 @@ def main(argv=None) -> int:
                    "tok_per_s_graph": tps[True], "tok_per_s_eager": tps[False],
                    "sample_graph": outs[True][0][:12], "sample_eager": outs[False][0][:12]},
                   status=status, error=None if status == "ok" else "cuda-graph tokens differ from eager")
+    outs = {graph: _staggered(eng, prompts, args.new_tokens) for graph, eng in engines.items()}
+    rec.write("check", "graph_vs_eager_staggered",
+              {"identical": outs[True] == outs[False], "asserted": False,
+               "requests": len(outs[True]),
+               "same_requests": sum(a == e for a, e in zip(outs[True], outs[False])),
+               "extend_graph_sizes": getattr(engines[True].runner.extend_graphs, "sizes", None)},
+              status="ok")
     eng = engines[True]
     try:
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -103,6 +127,89 @@ def main(argv=None) -> int:
         failed = True
     log("smoke: " + ("FAILED" if failed else "passed"))
     return 1 if failed else 0
+
+
+def _extend_logits(engines):
+    """Extend steps straight through each engine's model runner, before any request:
+    (check name, metrics, ok). Each must give bit-identical logits with and without
+    graphs: same kernels on the same shapes, so the graph's padding (requests, logits rows,
+    and for the 100-token step 28 tokens, matched by an explicit dummy request on the
+    eager side) must change nothing. Padding alone changes the GEMMs' rounding (128 rows
+    instead of 100): reported as ``vs_unpadded_eager``."""
+    import torch
+    from backend.core.forward_batch import ForwardBatch
+
+    gen = torch.Generator().manual_seed(7)
+
+    def ids(n):
+        return torch.randint(1000, 30000, (n,), generator=gen).tolist()
+
+    def build(rows, prefix, new, first_slot, logit_rows, tokens, device):
+        total = sum(new)
+        return ForwardBatch.build(input_ids=tokens, req_pool_indices=rows, extend_prefix_lens=prefix,
+                                  extend_seq_lens=new, out_cache_loc=list(range(first_slot, first_slot + total)),
+                                  logits_indices=logit_rows, device=device)
+
+    # table rows and slots used here are overwritten when the engine hands them out
+    exact = ([1, 2, 3], [0, 0, 0], [50, 40, 38], 1,
+             [49, 89] + list(range(90, 128)))  # 128 tokens; request 3 scores every token
+    follow = ([1, 2, 3], [50, 40, 38], [1, 1, 30], 129, [0, 1, 31])  # 32 tokens, with prefixes
+    padded = ([4, 5, 6], [0, 0, 0], [45, 30, 25], 200, [44, 74, 99])  # 100 tokens -> 128
+    steps = [("exact_128", exact), ("exact_32_prefix", follow), ("padded_100", padded)]
+    tokens = {name: ids(sum(spec[2])) for name, spec in steps}
+    logits, replayed = {}, {}
+    for graph, eng in engines.items():
+        runner = eng.runner
+        for name, (rows, prefix, new, slot, logit_rows) in steps:
+            batch = build(rows, prefix, new, slot, logit_rows, tokens[name], runner.device)
+            replayed[graph, name] = runner.extend_graphs is not None and runner.extend_graphs.can_run(batch)
+            logits[graph, name] = runner.forward(batch).float().cpu()
+    # the padded step run eagerly with its padding made explicit: a dummy request of 28
+    # tokens on table row 0 and KV slot 0, so its GEMMs run on the graph's 128 rows
+    eager = engines[False].runner
+    rows, prefix, new, slot, logit_rows = padded
+    batch = ForwardBatch.build(
+        input_ids=tokens["padded_100"] + [0] * 28, req_pool_indices=rows + [0],
+        extend_prefix_lens=prefix + [0], extend_seq_lens=new + [28],
+        out_cache_loc=list(range(slot, slot + 100)) + [0] * 28, logits_indices=logit_rows,
+        device=eager.device)
+    logits[False, "padded_100_by_hand"] = eager.forward(batch).float().cpu()
+    checks = [("exact_128", "exact_128"), ("exact_32_prefix", "exact_32_prefix"),
+              ("padded_100", "padded_100_by_hand")]
+    out = []
+    for name, ref in checks:
+        a, e = logits[True, name], logits[False, ref]
+        diff = (a - e).abs().max().item()
+        ok = replayed[True, name] and not replayed[False, name] and diff == 0.0
+        metrics = {"rows": a.shape[0], "max_abs_diff": diff, "graph_replayed": replayed[True, name],
+                   "eager_reference": ref}
+        if ref != name:  # what padding alone changes: GEMM rounding on 128 rows, not 100
+            unpadded = logits[False, name]
+            metrics["vs_unpadded_eager"] = {
+                "max_abs_diff": (a - unpadded).abs().max().item(),
+                "max_logit": unpadded.abs().max().item(),
+                "argmax_agreement": (a.argmax(-1) == unpadded.argmax(-1)).float().mean().item()}
+        out.append(("extend_graph_" + name, metrics, ok))
+    return out
+
+
+def _staggered(eng, prompts, new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of 12 requests added one per engine step while earlier ones decode;
+    every other prompt repeats an earlier prompt's first 24 tokens (a cache hit)."""
+    from backend.core import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    todo = [prompts[i] if i % 2 == 0 else prompts[i - 1][:24] + prompts[i][24:]
+            for i in range(12)]
+    ids, results = [], {}
+    while len(results) < len(todo):
+        if len(ids) < len(todo):
+            rid = eng.add_request(todo[len(ids)], sp, stream=False)
+            eng.processor.keep_results([rid])
+            ids.append(rid)
+        eng.step()
+        results.update(eng.processor.take_results())
+    return [results[i].token_ids for i in ids]
 
 
 if __name__ == "__main__":
