@@ -142,8 +142,8 @@ def test_cuda_graphs_cover_every_running_batch_unless_capped(tmp_path):
     assert many.cuda_graph_batch == 512  # the default's start-up bound
     with pytest.raises(ValueError, match="cuda_graph_max_batch must be at least 1"):
         wire.engine_config_from_parameters(dict(base, cuda_graph_max_batch="0"), [])
-    # extend steps: graphs up to 512 tokens by default, any other bound, 0 for none
-    assert default.cuda_graph_max_tokens == 512
+    # extend steps: graphs up to 2048 tokens by default, any other bound, 0 for none
+    assert default.cuda_graph_max_tokens == 2048
     assert wire.engine_config_from_parameters(
         dict(base, cuda_graph_max_tokens="0"), []).cuda_graph_max_tokens == 0
     with pytest.raises(ValueError, match="cuda_graph_max_tokens must be >= 0"):

@@ -48,7 +48,7 @@ class EngineConfig:
     cuda_graph_max_batch: int | None = None
     # extend steps (prefill chunks, mixed prefill + decode batches, jump-forward runs) of
     # up to this many tokens replay a CUDA graph too; 0: always eager
-    cuda_graph_max_tokens: int = 512
+    cuda_graph_max_tokens: int = 2048
     # overlap CPU scheduling with device work; None: on for CUDA devices (where the
     # device runs asynchronously), off on CPU (nothing to overlap with)
     enable_overlap: bool | None = None
