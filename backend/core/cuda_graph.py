@@ -40,6 +40,7 @@ graph, from the real batch.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 
 import torch
@@ -81,6 +82,29 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     a large batch is host-bound: several times a graph replay)."""
     top = max(1, max_batch_size)
     return [s for s in CAPTURE_SIZES if s < top] + [top]
+
+
+@contextlib.contextmanager
+def _side_stream():
+    """A stream to capture on (not the default one), ordered after the work queued so
+    far; on exit the current stream waits for it and the device drains."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield stream
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+def _capture(run, batch: ForwardBatch, pool, stream):
+    """(graph, output) of ``run(batch)`` captured on ``stream`` into ``pool``, after two
+    eager runs that compile the Triton kernels and settle the allocations."""
+    for _ in range(2):
+        run(batch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = run(batch)
+    return graph, output
 
 
 class CudaGraphRunner:
@@ -133,19 +157,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with _side_stream() as stream:
             for size in reversed(self.sizes):  # largest first: later ones reuse its pool
-                batch = self._static_batch(size)
-                for _ in range(2):  # compile Triton kernels, settle allocations
-                    self._run(batch)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[size] = self._run(batch)
-                self.graphs[size] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+                self.graphs[size], self.outputs[size] = _capture(
+                    self._run, self._static_batch(size), self.pool, stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def replay(self, batch: ForwardBatch):
@@ -242,21 +257,13 @@ class ExtendGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with _side_stream() as stream:
             for size in reversed(self.sizes):  # largest first: later ones reuse its pool
                 self._pad(size, 0, 0, 0)  # all padding: writes only the dummy slot
                 for longest in reversed(extend_classes(size)):
-                    batch = self._static_batch(size, longest)
-                    for _ in range(2):  # compile Triton kernels, settle allocations
-                        self._run(batch)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        self.outputs[size, longest] = self._run(batch)
-                    self.graphs[size, longest] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+                    key = (size, longest)
+                    self.graphs[key], self.outputs[key] = _capture(
+                        self._run, self._static_batch(size, longest), self.pool, stream)
         logger.info("captured CUDA graphs for extend steps of up to %s tokens", self.sizes)
 
     def _pad(self, size: int, t: int, b: int, nl: int) -> None:
