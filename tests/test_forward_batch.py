@@ -27,6 +27,24 @@ def test_a_decode_batch_packs_its_per_request_inputs_as_five_rows():
     assert b.decode_inputs.data_ptr() == b.input_ids.data_ptr()
 
 
+def test_any_batch_packs_token_and_request_inputs_as_two_views():
+    # 5 tokens of 2 requests: the token rows are 6 apart, the request rows 2 apart
+    b = build([0, 3], [3, 2], [2, 4])
+    assert b.token_inputs.shape == (3, 5) and b.token_inputs.stride() == (6, 1)
+    assert b.token_inputs.tolist() == [[100, 101, 102, 103, 104], [0, 1, 2, 3, 4],
+                                       [50, 51, 52, 53, 54]]
+    assert b.request_inputs.shape == (4, 2)
+    assert b.request_inputs.tolist() == [[7, 8], [3, 5], [0, 3], [3, 2]]
+    # the same memory as the fields (the extend graph runner checks this before copying)
+    assert b.token_inputs.data_ptr() == b.input_ids.data_ptr()
+    assert b.request_inputs.data_ptr() == b.req_pool_indices.data_ptr()
+    for rows, fields in ((b.token_inputs, (b.input_ids, b.positions, b.out_cache_loc)),
+                         (b.request_inputs, (b.req_pool_indices, b.seq_lens,
+                                             b.extend_prefix_lens, b.extend_seq_lens))):
+        for row, field in zip(rows, fields):
+            assert row.data_ptr() == field.data_ptr() and torch.equal(row, field)
+
+
 def test_all_rows_only_when_the_logits_rows_are_every_token_in_order():
     assert not build([0, 3], [2, 1], [1, 2]).all_rows  # a prefill's last token only
     assert build([0, 3], [2, 1], [0, 1, 2]).all_rows

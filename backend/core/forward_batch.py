@@ -46,14 +46,9 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     is_decode: bool  # every request has exactly one new token
     extra: dict = field(default_factory=dict)
-    # input_ids, positions, out_cache_loc, req_pool_indices and seq_lens as the rows of
-    # one strided view of the memory they live in, when they have one length (decode): [5, B]
-    decode_inputs: torch.Tensor | None = None
-    # the same for any batch, as two strided views: input_ids, positions and
-    # out_cache_loc [3, T]; req_pool_indices, seq_lens, extend_prefix_lens and
-    # extend_seq_lens [4, B] (what the extend graph runner copies in two launches)
-    token_inputs: torch.Tensor | None = None
-    request_inputs: torch.Tensor | None = None
+    # the one device buffer ``build`` copied every index array into, each part starting
+    # 16-byte aligned: the graph runners copy several fields at once through views of it
+    flat: torch.Tensor | None = None
     all_rows: bool = False  # logits_indices is every token row, in order
 
     @property
@@ -63,6 +58,32 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def decode_inputs(self) -> torch.Tensor | None:
+        """input_ids, positions, out_cache_loc, req_pool_indices and seq_lens as the rows
+        of one strided view of ``flat``, when they have one length (decode): [5, B]."""
+        if self.flat is None or not self.is_decode:
+            return None
+        b = self.batch_size
+        return self.flat[:5 * _aligned(b)].view(5, _aligned(b))[:, :b]
+
+    @property
+    def token_inputs(self) -> torch.Tensor | None:
+        """input_ids, positions and out_cache_loc as one strided view of ``flat``: [3, T]."""
+        if self.flat is None:
+            return None
+        t = self.num_tokens
+        return self.flat[:3 * _aligned(t)].view(3, _aligned(t))[:, :t]
+
+    @property
+    def request_inputs(self) -> torch.Tensor | None:
+        """req_pool_indices, seq_lens, extend_prefix_lens and extend_seq_lens as one
+        strided view of ``flat``: [4, B]."""
+        if self.flat is None:
+            return None
+        start, b = 3 * _aligned(self.num_tokens), self.batch_size
+        return self.flat[start:start + 4 * _aligned(b)].view(4, _aligned(b))[:, :b]
 
     @property
     def max_extend_len(self) -> int:
@@ -102,9 +123,7 @@ class ForwardBatch:
         for part in parts:
             views.append(flat[start:start + len(part)])
             start += _aligned(len(part))
-        b, t = len(seq_lens), len(input_ids)
         is_decode = all(n == 1 for n in extend_seq_lens)
-        at, ab = _aligned(t), _aligned(b)
         return cls(
             input_ids=views[0], positions=views[1], out_cache_loc=views[2],
             req_pool_indices=views[3], seq_lens=views[4], extend_prefix_lens=views[5],
@@ -112,10 +131,7 @@ class ForwardBatch:
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(extend_prefix_lens),
             extend_seq_lens_cpu=list(extend_seq_lens),
             is_decode=is_decode,
-            # rows _aligned(b) apart: still one strided copy for the graph runner
-            decode_inputs=flat[:5 * ab].view(5, ab)[:, :b] if is_decode else None,
-            token_inputs=flat[:3 * at].view(3, at)[:, :t],
-            request_inputs=flat[3 * at:3 * at + 4 * ab].view(4, ab)[:, :b],
+            flat=flat,
             all_rows=len(logits_indices) == len(input_ids)
             and logits_indices == list(range(len(input_ids))),
         )
