@@ -4,8 +4,8 @@ Why: in the Triton stub, the engine's step loop and the threads that build and s
 responses share one interpreter lock. A decode step is many short host operations, each
 of which may wait for the lock behind a thread building a response; on the H200 a 2.5 ms
 step of the 1B shape took ~6 ms inside tritonserver. Here the engine steps in a child
-process with an interpreter of its own and sends each step's outputs to the stub in one
-message; the stub only routes and sends responses.
+process with an interpreter of its own (``backend.engine_worker``) and sends each step's
+outputs to the stub in one message; the stub only routes and sends responses.
 
 ``EngineProcess`` (in the stub) has the methods EngineLoop calls on an ``Engine``:
 ``add_request``, ``add_score_request``, ``abort``, ``has_work``, ``wait_for_work``,
@@ -13,14 +13,24 @@ message; the stub only routes and sends responses.
 (empty, too long, a constraint that does not compile) come back as an error output for
 that request, not as ``ValueError``: the child finds them, after ``add_request`` returned.
 
-The child (``python -m backend.engine_process FD``) talks over one socket pair:
-  stub -> child: ("add", rid, prompt, params) ("score", rid, prompt, choices)
+Several stubs may share one engine (``open_shared``): Triton runs each model instance in
+a stub process of its own and hands each stub one request per ``execute`` call, and each
+stub's responses leave one send at a time; with N instances on one device, N stubs take
+requests in and send responses in parallel, in front of one engine, KV pool and radix
+cache. The first stub starts the engine process and has it listen on a Unix socket; the
+others attach to it there.
+
+Messages (each stub has its own connection; outputs go to the stub that added the request):
+  stub -> child: ("init", config, listen address or None)   (the starting stub, first)
+                 ("hello",)                                  (an attaching stub, first)
+                 ("add", rid, prompt, params, stream) ("score", rid, prompt, choices)
                  ("abort", rid) ("stats", token) ("integrity", token) ("close",)
   child -> stub: ("ready", info) ("init_error", message)
                  ("out", [output tuples], busy, sent_at, received)
                  ("step_error", message)
-                 ("reply", token, value)
-The child exits when the socket closes (the stub died) or on "close". ``sent_at`` is the
+                 ("reply", token, value) ("bye", last)
+On "close" the child answers "bye" and lets the stub go; it exits once the last stub has
+gone (or its socket closed: a stub that died has its requests aborted). ``sent_at`` is the
 child's wall clock when the step's outputs left: ``last_made_at`` (the oldest of those the
 last ``step`` returned) and ``transfer`` (the lag from there to the stub's reader) show
 where a response's time went. When the stub traces requests (``RADIXLM_TRACE_REQUESTS``,
@@ -30,31 +40,24 @@ message to the child's wall clock when its "add" arrived (``received_at`` in the
 from __future__ import annotations
 
 import collections
-import gc
+import fcntl
 import logging
-import operator
 import os
+import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-import traceback
-from dataclasses import fields
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from backend.core.outputs import StepOutput
-from backend.serving import TRACE_ENV, env_int
 
 log = logging.getLogger("radixlm.engine_process")
-
-# StepOutputs cross the socket as plain tuples (pickling a tuple of primitives is several
-# times cheaper than pickling the dataclass, and the child does it every step)
-_FIELDS = tuple(f.name for f in fields(StepOutput))
-_as_tuple = operator.attrgetter(*_FIELDS)
 
 
 class EngineProcessDied(RuntimeError):
@@ -75,23 +78,49 @@ def child_python() -> str:
 
 
 class EngineProcess:
-    """An ``Engine`` running in a child process; see the module docstring."""
+    """An ``Engine`` running in a child process; see the module docstring.
+
+    ``EngineProcess(config)`` starts the child; with ``listen`` (a Unix socket address) the
+    child also lets other stubs ``attach`` to it there."""
 
     def __init__(self, config, start_timeout_s: float = 1800.0, python: str | None = None,
-                 rpc_timeout_s: float = 60.0) -> None:
-        self.config = config
-        self._rpc_timeout_s = rpc_timeout_s
+                 rpc_timeout_s: float = 60.0, listen: str | None = None) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         # the child imports exactly what this interpreter can
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.python = python or child_python()
-        self._proc = subprocess.Popen(
-            [self.python, "-m", "backend.engine_process", str(theirs.fileno())],
+        proc = subprocess.Popen(
+            [self.python, "-m", "backend.engine_worker", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
-        self._conn = Connection(os.dup(ours.fileno()))
+        conn = Connection(os.dup(ours.fileno()))
         ours.close()
+        self._open(config, conn, proc, ("init", config, listen), start_timeout_s, rpc_timeout_s)
+
+    @classmethod
+    def attach(cls, address: str, config, start_timeout_s: float = 60.0,
+               rpc_timeout_s: float = 60.0) -> "EngineProcess":
+        """Share the engine process another stub started with ``listen=address``. Raises
+        ``ConnectionRefusedError`` (or ``FileNotFoundError``) when nothing listens there."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)
+        except OSError:
+            sock.close()
+            raise
+        self = cls.__new__(cls)
+        self.python = None
+        self._open(config, Connection(sock.detach()), None, ("hello",), start_timeout_s,
+                   rpc_timeout_s)
+        return self
+
+    def _open(self, config, conn: Connection, proc: subprocess.Popen | None, first,
+              start_timeout_s: float, rpc_timeout_s: float) -> None:
+        self.config = config
+        self._conn = conn
+        self._proc = proc  # None: attached to a child another stub started
+        self._rpc_timeout_s = rpc_timeout_s
         # Messages leave through a writer thread: the caller (Triton's execute) only
         # queues, so it never gives up the GIL for a socket write and then waits behind
         # the router and senders to get it back. What queued up meanwhile leaves as one
@@ -109,10 +138,11 @@ class EngineProcess:
         self._replies: dict[int, Any] = {}
         self._next_token = 0
         self._dead: str | None = None
+        self._bye: bool | None = None  # the child's answer to "close": was this the last stub
         self._tokenizer = None
         self.info: dict = {}
         try:
-            self._conn.send(("init", config))
+            self._conn.send(first)
             self.info = self._await_ready(start_timeout_s)
         except BaseException:
             self.close(0.0)
@@ -124,6 +154,14 @@ class EngineProcess:
         self._writer.start()
 
     # ---- start and stop
+    @property
+    def started_here(self) -> bool:
+        """This stub started the child (and reports the engine-wide gauges)."""
+        return self._proc is not None
+
+    def _exit_code(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
     def _await_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -136,27 +174,35 @@ class EngineProcess:
                     return msg[1]
                 if msg[0] == "init_error":
                     raise EngineProcessDied(msg[1])
-            elif self._proc.poll() is not None:
+            elif self._exit_code() is not None:
                 break
-        code = self._proc.poll()
-        if code is None:
+        code = self._exit_code()
+        if code is not None:
+            raise EngineProcessDied(f"the engine process exited with status {code} while "
+                                    "starting (its error is in the server log)")
+        if time.monotonic() >= deadline:
             raise EngineProcessDied(f"the engine process did not start within {timeout_s:.0f} s")
-        raise EngineProcessDied(f"the engine process exited with status {code} while starting "
-                                "(its error is in the server log)")
+        raise EngineProcessDied("the engine process closed the connection while starting")
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the child: ask, then wait up to ``timeout_s``, then kill."""
+        """Leave the child: ask, and wait up to ``timeout_s`` for its answer. When no other
+        stub is attached it exits; the stub that started it waits for that (up to
+        ``timeout_s``, then kills it)."""
         try:
             self._send(("close",))
         except (OSError, EngineProcessDied, ValueError):
             pass
         if self._writer is not None:  # it ends once "close" has left
             self._writer.join(min(timeout_s, 5.0))
-        try:
-            self._proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(10.0)
+            with self._cv:
+                self._cv.wait_for(lambda: self._bye is not None or self._dead is not None,
+                                  timeout_s)
+        if self._proc is not None and self._bye is not False:
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10.0)
         try:
             self._conn.close()
         except OSError:
@@ -167,7 +213,7 @@ class EngineProcess:
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self._proc.pid if self._proc is not None else self.info["pid"]
 
     # ---- submission (any thread)
     def _send(self, msg) -> None:
@@ -311,13 +357,16 @@ class EngineProcess:
                         self._replies[msg[1]] = msg[2]
                     elif kind == "step_error":
                         self._events.append(msg[1])
+                    elif kind == "bye":
+                        self._bye = msg[1]
                     self._cv.notify_all()
         except (EOFError, OSError) as exc:
             reason = type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - a bad message ends the channel
             reason = f"{type(exc).__name__}: {exc}"
         try:
-            code = self._proc.wait(2.0)
+            code = self._proc.wait(2.0) if self._proc is not None and self._bye is not False \
+                else None
         except subprocess.TimeoutExpired:
             code = None
         with self._cv:
@@ -327,158 +376,17 @@ class EngineProcess:
             self._cv.notify_all()
 
 
-# ---- the child ---------------------------------------------------------------------------
-
-class _Worker:
-    def __init__(self, engine, conn: Connection) -> None:
-        self.engine = engine
-        self.conn = conn
-        self.send_lock = threading.Lock()
-        self.controls: collections.deque = collections.deque()
-        self.closing = False
-        self.timings = {"step_s": 0.0, "send_s": 0.0, "idle_s": 0.0, "steps": 0}
-        # when each traced request's "add" arrived, until its first output leaves
-        self.received: dict[str, float] | None = {} if env_int(TRACE_ENV) > 0 else None
-
-    def firsts(self, outputs) -> dict[str, float] | None:
-        """The arrival times of the requests whose first output is among ``outputs`` (an
-        aborted or refused request has one too: its final)."""
-        received = self.received
-        if not received:
-            return None
-        found = {o.request_id: received.pop(o.request_id) for o in outputs
-                 if o.request_id in received}
-        return found or None
-
-    def send(self, msg) -> None:
-        with self.send_lock:
-            self.conn.send(msg)
-
-    def refuse(self, rid: str, message: str) -> None:
-        out = StepOutput(rid, 0, [], "", True, "abort", 0, 0, 0, error=message)
-        self.send(("out", [_as_tuple(out)], self.engine.has_work(), time.time(),
-                   self.firsts([out])))
-
-    def read(self) -> None:
-        """Commands from the stub; add and abort go straight to the engine's inbox."""
+def open_shared(config, key: str, start_timeout_s: float = 1800.0, **kwargs) -> EngineProcess:
+    """The engine process of ``key`` (one per tritonserver, model and device): attach to
+    the one another stub started, or start it, listening for the others. A lock file
+    orders the stubs, so the second waits while the first builds the engine."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", key)
+    address = f"\0radixlm-engine-{name}"  # an abstract socket: nothing to clean up
+    with open(Path(tempfile.gettempdir()) / f"radixlm-engine-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            while True:
-                msg = self.conn.recv()
-                for one in (msg[1] if msg[0] == "many" else (msg,)):
-                    if not self.handle(one):
-                        return  # the loop ends the process after answering "close"
-        except (EOFError, OSError):
+            return EngineProcess.attach(address, config, rpc_timeout_s=kwargs.get(
+                "rpc_timeout_s", 60.0))
+        except (ConnectionRefusedError, FileNotFoundError):
             pass
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-        os._exit(0)  # the stub is gone: nobody to serve
-
-    def handle(self, msg) -> bool:
-        """One command; False once the stub asked to close."""
-        engine = self.engine
-        kind = msg[0]
-        if kind == "add":
-            _, rid, prompt, params, stream = msg
-            if self.received is not None:
-                self.received[rid] = time.time()
-            try:
-                engine.add_request(prompt, params, request_id=rid, stream=stream)
-            except ValueError as exc:
-                self.refuse(rid, str(exc))
-        elif kind == "score":
-            _, rid, prompt, choices = msg
-            try:
-                engine.add_score_request(prompt, choices, request_id=rid)
-            except ValueError as exc:
-                self.refuse(rid, str(exc))
-        elif kind == "abort":
-            engine.abort(msg[1])
-        else:  # stats, integrity, close: answered by the loop, between steps
-            self.controls.append(msg)
-            engine.wake()
-            if kind == "close":
-                return False
-        return True
-
-    def answer_controls(self) -> None:
-        while self.controls:
-            msg = self.controls.popleft()
-            kind = msg[0]
-            if kind == "close":
-                self.closing = True
-                return
-            if kind == "stats":
-                value = dict(self.engine.stats())
-                value["engine_loop"] = {k: round(v, 4) for k, v in self.timings.items()}
-            else:
-                try:
-                    self.engine.check_integrity()
-                    value = None
-                except AssertionError as exc:
-                    value = str(exc) or "failed"
-            self.send(("reply", msg[1], value))
-
-    def run(self) -> None:
-        engine, timings = self.engine, self.timings
-        while not self.closing:
-            self.answer_controls()
-            if self.closing:
-                break
-            if not engine.has_work():
-                started = time.perf_counter()
-                engine.wait_for_work(0.5)
-                timings["idle_s"] += time.perf_counter() - started
-                continue
-            started = time.perf_counter()
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # noqa: BLE001 - the stub fails the requests
-                traceback.print_exc()
-                self.send(("step_error", f"engine error: {exc}"))
-                continue
-            stepped = time.perf_counter()
-            if outputs:
-                self.send(("out", [_as_tuple(o) for o in outputs], engine.has_work(),
-                           time.time(), self.firsts(outputs)))
-            elif not engine.has_work():
-                self.send(("out", [], False, time.time(), None))
-            timings["step_s"] += stepped - started
-            timings["send_s"] += time.perf_counter() - stepped
-            timings["steps"] += 1
-
-
-def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="radixlm engine process: %(message)s")
-    # A SIGTERM or Ctrl-C to the server's process group reaches this process too: the
-    # stub decides when it ends (it aborts the requests in flight and sends each its
-    # final response first), by "close" or by going away.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
-    conn = Connection(int(argv[0]))
-    try:
-        msg = conn.recv()
-    except (EOFError, OSError):
-        return 0
-    try:
-        from backend.core import Engine
-
-        engine = Engine(msg[1])
-    except BaseException as exc:  # noqa: BLE001 - reported to the stub, which fails to load
-        traceback.print_exc()
-        conn.send(("init_error", f"building the engine failed: {type(exc).__name__}: {exc}"))
-        return 1
-    # What exists now (torch, the model, the tokenizer: ~10^6 objects) lives as long as
-    # the process: out of the collector's reach, a full collection no longer stalls a
-    # step for 100+ ms while it walks them.
-    gc.collect()
-    gc.freeze()
-    conn.send(("ready", {"pid": os.getpid(), "vocab_size": engine.runner.vocab_size,
-                         "context_len": engine.context_len}))
-    worker = _Worker(engine, conn)
-    threading.Thread(target=worker.read, name="radixlm-commands", daemon=True).start()
-    worker.run()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+        return EngineProcess(config, start_timeout_s=start_timeout_s, listen=address, **kwargs)

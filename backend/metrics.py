@@ -135,7 +135,11 @@ class EngineMetrics:
     """The engine model's metrics; see the module docstring for who calls what."""
 
     def __init__(self, factory: MetricFactory, model: str, model_instance: str,
-                 sample_interval_s: float = 0.25, publish_interval_s: float = 0.25) -> None:
+                 sample_interval_s: float = 0.25, publish_interval_s: float = 0.25,
+                 gauges: bool = True) -> None:
+        """``gauges=False``: no engine-wide gauges from this instance (another instance
+        sharing the engine reports them; the counters and histograms count what this
+        instance served)."""
         labels = {"model": model, "model_instance": model_instance}
         self._factory, self._labels = factory, labels
         self._counters = {name: factory.counter(name, text, dict(labels))
@@ -144,7 +148,7 @@ class EngineMetrics:
                                                   {**labels, "finish_reason": reason})
                           for reason in FINISH_REASONS}
         self._gauges = {name: factory.gauge(name, text, dict(labels))
-                        for name, text in _GAUGES.items()}
+                        for name, text in _GAUGES.items()} if gauges else {}
         self._histograms = {}
         for key, (name, text, buckets) in _HISTOGRAMS.items():
             try:
@@ -184,7 +188,7 @@ class EngineMetrics:
     def sample(self, engine, force: bool = False) -> None:
         """Read the gauges from ``engine.stats()``, at most every sample_interval_s."""
         now = time.monotonic()
-        if not force and now - self._last_sample < self._sample_interval_s:
+        if not self._gauges or not force and now - self._last_sample < self._sample_interval_s:
             return
         self._last_sample = now
         values = gauge_values(engine.stats())

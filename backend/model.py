@@ -33,7 +33,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import wire
 from backend.core import Engine
-from backend.engine_process import EngineProcess
+from backend.engine_process import EngineProcess, open_shared
 from backend.metrics import EngineMetrics
 from backend.serving import EngineLoop
 from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
@@ -261,13 +261,27 @@ class TritonPythonModel:
         # read) could queue up to 5 ms behind a sender building a response. A short
         # interval bounds that wait.
         sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
-        self.logger.log_info(f"radixlm: building the engine: {config}")
-        if wire.engine_process_wanted(parameters, config.device):
+        instances = wire.instances_on_device(model_config, args.get("model_instance_kind", ""),
+                                             int(args.get("model_instance_device_id") or 0))
+        if wire.engine_process_wanted(parameters, config.device, instances):
             # its own process: the step loop never waits for this interpreter's lock
-            self.engine = EngineProcess(config)
-            self.logger.log_info(f"radixlm: the engine runs in process {self.engine.pid} "
-                                 f"({self.engine.python})")
+            if instances > 1:
+                # every instance of this model on this device fronts one engine (one KV
+                # pool, one radix cache): see backend/engine_process.py
+                key = f"{os.getppid()}-{args['model_name']}-{config.device}"
+                self.logger.log_info(f"radixlm: building or joining the engine of {key}: {config}")
+                self.engine = open_shared(config, key)
+            else:
+                self.logger.log_info(f"radixlm: building the engine: {config}")
+                self.engine = EngineProcess(config)
+            if self.engine.started_here:
+                self.logger.log_info(f"radixlm: the engine runs in process {self.engine.pid} "
+                                     f"({self.engine.python})")
+            else:
+                self.logger.log_info(f"radixlm: attached to the engine process {self.engine.pid}"
+                                     f" ({instances} instances share it)")
         else:
+            self.logger.log_info(f"radixlm: building the engine: {config}")
             self.engine = Engine(config)
         self.model_name = args["model_name"]
         self.stop_signal = watch_stop_signals()
@@ -283,7 +297,8 @@ class TritonPythonModel:
         self.metrics = None
         if self.metric_factory is not None:
             self.metrics = EngineMetrics(self.metric_factory, args["model_name"],
-                                         args["model_instance_name"])
+                                         args["model_instance_name"],
+                                         gauges=getattr(self.engine, "started_here", True))
             self.metrics.start()
         self.fault_injection = os.environ.get(FAULT_INJECTION) == "1"
         self.loop = EngineLoop(self.engine, on_error=self.logger.log_error,

@@ -216,14 +216,33 @@ def _convert(key: str, annotation: str, text: str) -> Any:
     return text
 
 
-def engine_process_wanted(parameters: Mapping[str, str], device: str) -> bool:
+def engine_process_wanted(parameters: Mapping[str, str], device: str,
+                          instances: int = 1) -> bool:
     """The ``engine_process`` parameter: true, false, or auto (the default: on for CUDA
-    devices, where the host's per-step work competes with response sending; on CPU the
-    forward pass itself is the step, and a process would only add a hop)."""
+    devices, where the host's per-step work competes with response sending, and wherever
+    several instances of the model share a device: they then share one engine process;
+    on CPU with one instance the forward pass itself is the step, and a process would only
+    add a hop)."""
     text = parameters.get("engine_process", "auto")
     if text.strip().lower() == "auto":
-        return device.startswith("cuda")
+        return device.startswith("cuda") or instances > 1
     return _convert("engine_process", "bool", text)
+
+
+def instances_on_device(model_config: Mapping[str, Any], kind: str, device_id: int) -> int:
+    """How many instances of the model Triton runs on this instance's device: its
+    ``instance_group`` counts (a KIND_GPU group places ``count`` instances on each of its
+    ``gpus``, every GPU when it lists none)."""
+    total = 0
+    for group in model_config.get("instance_group") or [{}]:
+        count = int(group.get("count", 1) or 1)
+        group_kind = str(group.get("kind", "KIND_AUTO")).removeprefix("KIND_")
+        if kind == "GPU" and group_kind in ("GPU", "AUTO"):
+            gpus = [int(g) for g in group.get("gpus") or []]
+            total += count if not gpus or device_id in gpus else 0
+        elif kind != "GPU" and group_kind != "GPU":
+            total += count
+    return max(total, 1)
 
 
 def resolve_path(value: str, search_dirs: list[Path]) -> str:

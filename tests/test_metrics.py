@@ -188,6 +188,20 @@ def test_gauges_come_from_engine_stats_and_are_sent_only_when_they_change():
     assert factory.value(m.NUM_WAITING) == 0 and factory.calls == 5
 
 
+def test_an_instance_without_gauges_counts_but_never_asks_the_engine():
+    """A second instance in front of a shared engine: its counters count what it served,
+    the engine-wide gauges come from the instance that started the engine."""
+    factory = FakeFactory()
+    metrics = metrics_with(factory, sample_interval_s=0.0, gauges=False)
+    engine = FakeEngine(num_running=3)
+    metrics.sample(engine, force=True)
+    metrics.observe_outputs([output(prompt=7, generated=2, reason="stop")])
+    metrics.flush()
+    assert engine.stats_calls == 0
+    assert not [key for key in factory.values if key[0] in m._GAUGES]
+    assert factory.value(m.PROMPT_TOKENS) == 7 and factory.value(m.GENERATION_TOKENS) == 2
+
+
 def test_stats_are_sampled_at_most_once_per_interval():
     factory = FakeFactory()
     metrics = metrics_with(factory, sample_interval_s=60.0)

@@ -196,3 +196,24 @@ def test_engine_process_parameter_defaults_to_the_device_and_rejects_nonsense():
     # a serving parameter, not an EngineConfig field: the engine config ignores it
     config = wire.engine_config_from_parameters({"model_path": "/m", "engine_process": "true"}, [])
     assert config.model_path == "/m"
+    # several instances on one device share an engine process, CPU included
+    assert wire.engine_process_wanted({}, "cpu", instances=2) is True
+    assert wire.engine_process_wanted({"engine_process": "false"}, "cpu", instances=2) is False
+
+
+def test_instances_on_device_counts_the_groups_that_place_instances_there():
+    def config(*groups):
+        return {"instance_group": list(groups)}
+
+    assert wire.instances_on_device({}, "CPU", 0) == 1
+    assert wire.instances_on_device(config({"count": 3, "kind": "KIND_CPU"}), "CPU", 0) == 3
+    two_gpus = config({"count": 2, "kind": "KIND_GPU", "gpus": [0, 1]})
+    assert wire.instances_on_device(two_gpus, "GPU", 1) == 2  # 2 on each listed GPU
+    split = config({"count": 1, "kind": "KIND_GPU", "gpus": [0]},
+                   {"count": 2, "kind": "KIND_GPU", "gpus": [1]})
+    assert wire.instances_on_device(split, "GPU", 0) == 1
+    assert wire.instances_on_device(split, "GPU", 1) == 2
+    every_gpu = config({"count": 2, "kind": "KIND_GPU"})
+    assert wire.instances_on_device(every_gpu, "GPU", 3) == 2
+    mixed = config({"count": 2, "kind": "KIND_GPU"}, {"count": 1, "kind": "KIND_CPU"})
+    assert wire.instances_on_device(mixed, "CPU", 0) == 1

@@ -1,0 +1,306 @@
+"""The engine process itself: ``python -m backend.engine_worker FD``.
+
+It builds an ``Engine`` from the config its first stub sends, then steps it and sends each
+step's outputs to the stub that asked for them (``backend.engine_process`` is the stub's
+side and has the message list). One stub starts it over an inherited socket; when that
+stub asks it to listen, more stubs (other Triton instances of the same model on the same
+device) may attach over a Unix socket and share the engine, its KV pool and its radix
+cache. Each is a peer: its requests' outputs, refusals and replies go to it alone.
+
+It ends when its last peer leaves: by "close", or by its socket closing (a stub that
+died; the requests it had in flight are aborted, freeing their KV slots).
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import operator
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import fields
+from multiprocessing.connection import Connection
+
+from backend.core.outputs import StepOutput
+from backend.serving import TRACE_ENV, env_int
+
+log = logging.getLogger("radixlm.engine_worker")
+
+# StepOutputs cross the socket as plain tuples (pickling a tuple of primitives is several
+# times cheaper than pickling the dataclass, and the child does it every step)
+FIELDS = tuple(f.name for f in fields(StepOutput))
+as_tuple = operator.attrgetter(*FIELDS)
+
+
+class _Peer:
+    """One stub's connection. Sends may come from the step loop and a reader thread."""
+
+    __slots__ = ("conn", "lock", "name", "gone")
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn, self.name = conn, name
+        self.lock = threading.Lock()
+        self.gone = False
+
+    def send(self, msg) -> None:
+        with self.lock:
+            if not self.gone:
+                try:
+                    self.conn.send(msg)
+                except (OSError, ValueError):
+                    self.gone = True  # its reader sees the socket close and detaches it
+
+
+def _num_outputs(params) -> int:
+    """How many finished outputs a generate request ends with (one per sample)."""
+    n = params.get("n") if isinstance(params, dict) else getattr(params, "n", None)
+    return n if isinstance(n, int) and n > 0 else 1
+
+
+class Worker:
+    def __init__(self, engine, info: dict) -> None:
+        self.engine = engine
+        self.info = info  # the "ready" message's payload, for every peer
+        self.peers: list[_Peer] = []
+        self.peers_lock = threading.Lock()
+        # request id -> (its peer, finished outputs still to come): set before the engine
+        # sees the request, dropped with its last output
+        self.owners: dict[str, list] = {}
+        self.controls: collections.deque = collections.deque()  # (peer, message)
+        self.closing = False
+        self.timings = {"step_s": 0.0, "send_s": 0.0, "idle_s": 0.0, "steps": 0}
+        # when each traced request's "add" arrived, until its first output leaves
+        self.received: dict[str, float] | None = {} if env_int(TRACE_ENV) > 0 else None
+
+    # ---- peers
+    def add_peer(self, conn: Connection, name: str) -> _Peer:
+        peer = _Peer(conn, name)
+        with self.peers_lock:
+            self.peers.append(peer)
+        threading.Thread(target=self.read, args=(peer,), name=f"radixlm-commands-{name}",
+                         daemon=True).start()
+        return peer
+
+    def remove_peer(self, peer: _Peer) -> int:
+        """Detach ``peer`` and abort what it still had running; the peers left."""
+        with self.peers_lock:
+            if peer in self.peers:
+                self.peers.remove(peer)
+            left = len(self.peers)
+        for rid in [rid for rid, owner in list(self.owners.items()) if owner[0] is peer]:
+            self.engine.abort(rid)
+        return left
+
+    def listen(self, address: str) -> None:
+        """Accept more stubs on the Unix socket ``address`` (an abstract name: ``\\0...``)."""
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(address)
+        server.listen(16)
+        threading.Thread(target=self._accept, args=(server,), name="radixlm-accept",
+                         daemon=True).start()
+
+    def _accept(self, server: socket.socket) -> None:
+        count = 1
+        while True:
+            sock, _ = server.accept()
+            conn = Connection(sock.detach())
+            try:
+                if not conn.poll(30.0) or conn.recv()[0] != "hello":
+                    conn.close()
+                    continue
+                conn.send(("ready", self.info))
+            except (EOFError, OSError):
+                conn.close()
+                continue
+            self.add_peer(conn, str(count))
+            log.info("a stub attached (%d attached)", len(self.peers))
+            count += 1
+
+    # ---- outputs
+    def firsts(self, outputs) -> dict[str, float] | None:
+        """The arrival times of the requests whose first output is among ``outputs`` (an
+        aborted or refused request has one too: its final)."""
+        received = self.received
+        if not received:
+            return None
+        found = {o.request_id: received.pop(o.request_id) for o in outputs
+                 if o.request_id in received}
+        return found or None
+
+    def refuse(self, peer: _Peer, rid: str, message: str) -> None:
+        out = StepOutput(rid, 0, [], "", True, "abort", 0, 0, 0, error=message)
+        peer.send(("out", [as_tuple(out)], self.engine.has_work(), time.time(),
+                   self.firsts([out])))
+
+    def deliver(self, outputs: list[StepOutput]) -> None:
+        """One message per peer with outputs; when the engine went idle, every other peer
+        hears it too (a stub keeps polling for outputs while it thinks the engine busy)."""
+        owners = self.owners
+        by_peer: dict[_Peer, list[StepOutput]] = {}
+        for o in outputs:
+            owner = owners.get(o.request_id)
+            if owner is None:
+                continue  # its stub left
+            by_peer.setdefault(owner[0], []).append(o)
+            if o.finished:
+                owner[1] -= 1
+                if owner[1] <= 0:
+                    del owners[o.request_id]
+        busy, now = self.engine.has_work(), time.time()
+        for peer, outs in by_peer.items():
+            peer.send(("out", [as_tuple(o) for o in outs], busy, now, self.firsts(outs)))
+        if not busy:
+            for peer in list(self.peers):
+                if peer not in by_peer:
+                    peer.send(("out", [], False, now, None))
+
+    # ---- commands
+    def read(self, peer: _Peer) -> None:
+        """Commands from one stub; add and abort go straight to the engine's inbox."""
+        try:
+            while True:
+                msg = peer.conn.recv()
+                for one in (msg[1] if msg[0] == "many" else (msg,)):
+                    if not self.handle(peer, one):
+                        return  # the loop answers "close" and detaches the peer
+        except (EOFError, OSError):
+            pass
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        peer.gone = True
+        if self.remove_peer(peer) == 0:
+            os._exit(0)  # the last stub is gone: nobody to serve
+
+    def handle(self, peer: _Peer, msg) -> bool:
+        """One command; False once the stub asked to close."""
+        engine = self.engine
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt, params, stream = msg
+            if self.received is not None:
+                self.received[rid] = time.time()
+            self.owners[rid] = [peer, _num_outputs(params)]
+            try:
+                engine.add_request(prompt, params, request_id=rid, stream=stream)
+            except ValueError as exc:
+                self.owners.pop(rid, None)
+                self.refuse(peer, rid, str(exc))
+        elif kind == "score":
+            _, rid, prompt, choices = msg
+            self.owners[rid] = [peer, 1]  # one output carries every choice's score
+            try:
+                engine.add_score_request(prompt, choices, request_id=rid)
+            except ValueError as exc:
+                self.owners.pop(rid, None)
+                self.refuse(peer, rid, str(exc))
+        elif kind == "abort":
+            engine.abort(msg[1])
+        else:  # stats, integrity, close: answered by the loop, between steps
+            self.controls.append((peer, msg))
+            engine.wake()
+            if kind == "close":
+                return False
+        return True
+
+    def answer_controls(self) -> None:
+        while self.controls:
+            peer, msg = self.controls.popleft()
+            kind = msg[0]
+            if kind == "close":
+                left = self.remove_peer(peer)
+                peer.send(("bye", left == 0))
+                if left == 0:
+                    self.closing = True
+                    return
+                with peer.lock:  # the others go on: this stub's socket is done
+                    peer.gone = True
+                    peer.conn.close()
+                continue
+            if kind == "stats":
+                value = dict(self.engine.stats())
+                value["engine_loop"] = {k: round(v, 4) for k, v in self.timings.items()}
+                value["engine_peers"] = len(self.peers)
+            else:
+                try:
+                    self.engine.check_integrity()
+                    value = None
+                except AssertionError as exc:
+                    value = str(exc) or "failed"
+            peer.send(("reply", msg[1], value))
+
+    # ---- the step loop
+    def run(self) -> None:
+        engine, timings = self.engine, self.timings
+        while not self.closing:
+            self.answer_controls()
+            if self.closing:
+                break
+            if not engine.has_work():
+                started = time.perf_counter()
+                engine.wait_for_work(0.5)
+                timings["idle_s"] += time.perf_counter() - started
+                continue
+            started = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001 - the stubs fail the requests
+                traceback.print_exc()
+                for peer in list(self.peers):
+                    peer.send(("step_error", f"engine error: {exc}"))
+                continue
+            stepped = time.perf_counter()
+            if outputs or not engine.has_work():
+                self.deliver(outputs)
+            timings["step_s"] += stepped - started
+            timings["send_s"] += time.perf_counter() - stepped
+            timings["steps"] += 1
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="radixlm engine process: %(message)s")
+    # A SIGTERM or Ctrl-C to the server's process group reaches this process too: the
+    # stubs decide when it ends (each aborts its requests in flight and sends each its
+    # final response first), by "close" or by going away.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    conn = Connection(int(argv[0]))
+    try:
+        msg = conn.recv()  # ("init", config, listen address or None)
+    except (EOFError, OSError):
+        return 0
+    try:
+        from backend.core import Engine
+
+        engine = Engine(msg[1])
+    except BaseException as exc:  # noqa: BLE001 - reported to the stub, which fails to load
+        traceback.print_exc()
+        conn.send(("init_error", f"building the engine failed: {type(exc).__name__}: {exc}"))
+        return 1
+    # What exists now (torch, the model, the tokenizer: ~10^6 objects) lives as long as
+    # the process: out of the collector's reach, a full collection no longer stalls a
+    # step for 100+ ms while it walks them.
+    gc.collect()
+    gc.freeze()
+    info = {"pid": os.getpid(), "vocab_size": engine.runner.vocab_size,
+            "context_len": engine.context_len}
+    worker = Worker(engine, info)
+    address = msg[2] if len(msg) > 2 else None
+    if address:
+        try:
+            worker.listen(address)
+        except OSError as exc:
+            conn.send(("init_error", f"listening on {address!r} for more stubs failed: {exc}"))
+            return 1
+    conn.send(("ready", info))
+    worker.add_peer(conn, "0")
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,130 @@
+"""Several stubs in front of one engine process (backend/engine_process.py, ``listen`` /
+``attach`` / ``open_shared``): each stub gets exactly its own requests' outputs, they share
+one radix cache, the engine outlives the stub that started it until the last one leaves,
+and a stub that dies has its requests aborted without disturbing the others."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from backend.core import EngineConfig, SamplingParams
+from backend.engine_process import EngineProcess, open_shared
+from engine_helpers import make_engine, random_prompts, tiny_model
+from test_engine_process import SETTINGS, _alive, by_request, run_until_finished
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("shared_engine"), "llama")
+
+
+@pytest.fixture
+def config(model_path):
+    return EngineConfig(model_path=str(model_path), **SETTINGS)
+
+
+def address() -> str:
+    return f"\0radixlm-test-{uuid.uuid4().hex}"
+
+
+def test_each_stub_gets_only_its_requests_and_they_share_the_radix_cache(config, model_path):
+    where = address()
+    first = EngineProcess(config, listen=where)
+    second = EngineProcess.attach(where, config)
+    try:
+        assert first.started_here and not second.started_here
+        assert second.pid == first.pid
+        prompts = random_prompts(6, 200, seed=5, min_len=20, max_len=40)
+        expected = [r.token_ids for r in make_engine(model_path).generate(prompts, GREEDY)]
+        for i, p in enumerate(prompts):
+            (first if i % 2 == 0 else second).add_request(p, GREEDY, request_id=f"r{i}")
+        got_first = by_request(run_until_finished(first, 3))
+        got_second = by_request(run_until_finished(second, 3))
+        assert sorted(got_first) == ["r0", "r2", "r4"] and sorted(got_second) == ["r1", "r3", "r5"]
+        for i in range(6):
+            assert (got_first if i % 2 == 0 else got_second)[f"r{i}"] == expected[i]
+        # a prompt the first stub's request left in the tree is a hit for the second's
+        second.add_request(prompts[0], GREEDY, request_id="again")
+        again = run_until_finished(second, 1)
+        assert again[-1].num_cached_tokens >= len(prompts[0]) - 1
+        stats = second.stats()
+        assert stats["engine_peers"] == 2 and stats["num_running"] == 0
+        second.check_integrity()
+    finally:
+        second.close()
+        first.close()
+
+
+def test_the_engine_serves_on_until_its_last_stub_leaves(config):
+    where = address()
+    first = EngineProcess(config, listen=where)
+    second = EngineProcess.attach(where, config)
+    child = first.pid
+    started = time.monotonic()
+    first.close()  # the stub that started it leaves first
+    assert time.monotonic() - started < 5 and _alive(child)
+    second.add_request([7, 8, 9], GREEDY, request_id="after")
+    assert len(by_request(run_until_finished(second, 1))["after"]) == 10
+    assert second.stats()["engine_peers"] == 1
+    second.close()
+    deadline = time.monotonic() + 30
+    while _alive(child):
+        assert time.monotonic() < deadline, "the engine process outlived its last stub"
+        time.sleep(0.05)
+
+
+def test_a_stub_that_dies_has_its_requests_aborted_and_the_others_go_on(config, model_path,
+                                                                        tmp_path):
+    where = address()
+    first = EngineProcess(config, listen=where)
+    script = tmp_path / "stub.py"
+    script.write_text(
+        "import sys, time\n"
+        "from backend.core import EngineConfig, SamplingParams\n"
+        "from backend.engine_process import EngineProcess\n"
+        f"e = EngineProcess.attach({where!r}, EngineConfig(model_path={str(model_path)!r}, "
+        f"**{SETTINGS!r}))\n"
+        "e.add_request([30, 31, 32], SamplingParams(max_new_tokens=1000, temperature=0.0, "
+        "ignore_eos=True), request_id='doomed')\n"
+        "while not e.step(0.5): pass\n"
+        "print('running', flush=True)\n"
+        "time.sleep(600)\n")
+    stub = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.getcwd())
+    try:
+        assert stub.stdout.readline().strip() == "running"
+        assert first.stats()["num_running"] == 1
+        stub.kill()
+        stub.wait(10)
+        deadline = time.monotonic() + 30
+        while (stats := first.stats())["num_running"] or stats["engine_peers"] != 1:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        assert stats["kv_tokens_in_use_by_requests"] == 0
+        assert stats["generated_tokens"] < 500, stats  # aborted: run to its end, 1,000
+        first.check_integrity()
+        first.add_request([40, 41], GREEDY, request_id="still")
+        outputs = run_until_finished(first, 1)
+        assert {o.request_id for o in outputs} == {"still"}  # nothing of the dead stub's
+    finally:
+        stub.kill()
+        first.close()
+
+
+def test_open_shared_starts_the_engine_once_and_attaches_after(config):
+    key = f"test-{uuid.uuid4().hex}/llm cuda:0"  # any text: it is made a safe name
+    first = open_shared(config, key)
+    second = open_shared(config, key)
+    try:
+        assert first.started_here and not second.started_here
+        assert first.pid == second.pid
+    finally:
+        second.close()
+        first.close()
