@@ -68,7 +68,8 @@ def engine_fields() -> set[str]:
     return names
 
 
-def make_repository(root: Path, model_dir: str, device: str, dtype: str, extra: dict) -> Path:
+def make_repository(root: Path, model_dir: str, device: str, dtype: str, extra: dict,
+                    instances: int = 1) -> Path:
     src = (C.REPO / "model_repository/llm/config.pbtxt").read_text()
     settings = {
         "model_path": str(Path(model_dir).resolve()), "device": device, "dtype": dtype,
@@ -91,7 +92,8 @@ def make_repository(root: Path, model_dir: str, device: str, dtype: str, extra: 
         lines.append(line)
     text = "\n".join(lines)
     kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
-    text = re.sub(r"kind:\s*KIND_\w+", f"kind: {kind}", text)
+    text = re.sub(r"instance_group \[[^\]]*\]",
+                  f"instance_group [ {{ count: {instances}, kind: {kind} }} ]", text)
     text += "\n" + "\n".join(
         f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in settings.items()) + "\n"
     d = root / MODEL
@@ -420,6 +422,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server-pidfile", default=None,
                     help="write the server's process group id here while it runs")
     ap.add_argument("--client-procs", type=int, default=8)
+    ap.add_argument("--instances", type=int, default=1,
+                    help="Triton instances of the model (stubs in front of one engine process)")
     ap.add_argument("--server-profile-dir", default=None,
                     help="profile the server's engine loop thread (cProfile text) into this folder")
     ap.add_argument("--engine-param", action="append", default=[],
@@ -434,9 +438,11 @@ def main(argv=None) -> int:
     if args.quick:
         args.client_procs = min(args.client_procs, 2)
     extra = dict(kv.split("=", 1) for kv in args.engine_param)
-    rec = C.Recorder(args.out, "triton", label, "default",
+    rec = C.Recorder(args.out, "triton", label,
+                     "default" if args.instances == 1 else f"instances-{args.instances}",
                      {"radix_cache": True, "overlap": True, "cuda_graph": True, "stream": True,
-                      "client_procs": args.client_procs}, C.load_done(args.done),
+                      "client_procs": args.client_procs, "instances": args.instances},
+                     C.load_done(args.done),
                      extra={"quick": args.quick, "device": args.device})
     log(f"bench_triton: model={label} device={device} budget={args.budget_s}s "
         f"server python={args.server_python}")
@@ -445,7 +451,7 @@ def main(argv=None) -> int:
     server = None
     started = False
     try:
-        repo = make_repository(tmp / "repo", args.model, device, dtype, extra)
+        repo = make_repository(tmp / "repo", args.model, device, dtype, extra, args.instances)
         server = Server(args.server_python, repo, log_path, args.server_profile_dir)
         if args.server_pidfile:
             Path(args.server_pidfile).write_text(str(server.proc.pid))

@@ -7,6 +7,8 @@
 #              model (offline + prefix)
 #   baselines  radix cache off, transformers static batches, overlap off (1b and 8b)
 #   triton     bench_triton.py: the engine behind tritonserver over gRPC streaming
+#   instances  the same with BENCH_INSTANCES (default "2 4") Triton instances of the model
+#              sharing one engine process
 #   report     report.py: docs/benchmarks/{README.md,results.json,*.png} from
 #              benchmarks/gpu/results/*.jsonl (run it here, not on the GPU machine)
 #
@@ -16,7 +18,8 @@
 # that do not fit as "skipped". Items already measured (status ok) in
 # benchmarks/gpu/results/*.jsonl or in this run's results are skipped (resume), unless
 # BENCH_FRESH=1 (then only this run's results count). BENCH_ONLY=REGEX runs only the steps
-# whose name ("engine llama-1b", "hf llama-8b", "overlap-off llama-1b", ...) matches.
+# whose name ("engine llama-1b", "hf llama-8b", "overlap-off llama-1b", ...) matches;
+# BENCH_ENGINE_MODES / BENCH_TRITON_MODES narrow the engine and triton steps' --modes.
 # Output: $OUT/results.jsonl, $OUT/log.txt, $OUT/server-<model>.log on the device machine
 # ($OUT unset: benchmarks/gpu/results/local/). BENCH_QUICK=1: CPU dry run, tiny sizes.
 set -uo pipefail
@@ -149,7 +152,8 @@ phase_engine() {
     w=${weights[$i]}; total=$((total - w)); i=$((i + 1))
     b=$(share "$w" $((total + 1)))
     step "engine $m" "$b" "$PY" benchmarks/gpu/bench_engine.py \
-      --model "$S/$m" "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
+      --model "$S/$m" ${BENCH_ENGINE_MODES:+--modes "$BENCH_ENGINE_MODES"} \
+      "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
   done
   if [ "$QUICK" != 1 ]; then  # the default model: offline and prefix rows only
     b=$(share 1 0)
@@ -190,10 +194,26 @@ phase_triton() {
     w=${weights[$i]}; total=$((total - w)); i=$((i + 1))
     b=$(share "$w" "$total")
     PYTHONPATH="$CLIENT_PYTHONPATH" step "triton $m" "$b" "$PY" benchmarks/gpu/bench_triton.py \
-      --model "$S/$m" "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b" \
+      --model "$S/$m" --modes "${BENCH_TRITON_MODES:-offline,online}" \
+      "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b" \
       --server-python "$RADIXLM_SERVER_PYTHON" --server-log "$BENCH_OUT/server-$m.log" \
       --server-pidfile "$SERVER_PIDFILE"
     kill_leftover_server
+  done
+}
+
+phase_instances() {  # the triton rows again with N model instances in front of one engine
+  local n m b
+  for n in ${BENCH_INSTANCES:-2 4}; do
+    for m in "${MODELS[@]}"; do
+      b=$(share 1 0); b=$(cap "$b" "${BENCH_INSTANCES_BUDGET_S:-$b}")
+      PYTHONPATH="$CLIENT_PYTHONPATH" step "instances-$n $m" "$b" "$PY" benchmarks/gpu/bench_triton.py \
+        --model "$S/$m" --instances "$n" --modes "${BENCH_TRITON_MODES:-offline,online}" \
+        "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b" \
+        --server-python "$RADIXLM_SERVER_PYTHON" --server-log "$BENCH_OUT/server-$m-x$n.log" \
+        --server-pidfile "$SERVER_PIDFILE"
+      kill_leftover_server
+    done
   done
 }
 
@@ -204,6 +224,7 @@ for PHASE in "$@"; do
     engine) phase_engine ;;
     baselines) phase_baselines ;;
     triton) phase_triton ;;
+    instances) phase_instances ;;
     report) "${BENCH_REPORT_PY:-$PY}" benchmarks/gpu/report.py ;;
     *) echo "unknown phase $PHASE (check engine baselines triton report)" ;;
   esac
