@@ -51,3 +51,15 @@ def test_requests_without_a_complete_timeline_are_left_out(bench_triton):
     unrouted = [{"id": "0", "intake": 0.002, "received": 0.003}]  # never got an output
     assert bench_triton.timeline_parts(reqs, unrouted) == {}
     assert bench_triton.timeline_parts([dict(reqs[0], first=None)], unrouted) == {}
+
+
+def test_a_timeline_of_another_run_does_not_join(bench_triton):
+    """With several instances a stub may report a run's timelines in a later run's stats:
+    request ids carry the run, so only this run's join."""
+    reqs = [client(0.0, 0.001, 0.011, 0.02)]
+    stale = {"id": "b8-0-0", "intake": 0.002, "received": 0.003, "made": 0.004, "routed": 0.005,
+             "first_sent": 0.006, "final_sent": 0.0199, "responses": 3}
+    assert bench_triton.timeline_parts(reqs, [stale], "b8-1-") == {}
+    parts = bench_triton.timeline_parts(reqs, [dict(stale, id="b8-1-0")], "b8-1-")
+    assert parts["ttft_parts_ms"]["engine"]["p50"] == pytest.approx(1.0)
+    assert parts["responses_per_request"]["p50"] == 3.0

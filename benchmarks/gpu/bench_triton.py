@@ -210,12 +210,12 @@ class Server:
 
 
 # ----------------------------------------------------------------------------- client
-def _client_worker(url, items, t0, n_out, timeout_s):
+def _client_worker(url, items, t0, n_out, timeout_s, id_prefix):
     """One process: run its requests (index, arrival, prompt) over one aio channel."""
-    return asyncio.run(_client_async(url, items, t0, n_out, timeout_s))
+    return asyncio.run(_client_async(url, items, t0, n_out, timeout_s, id_prefix))
 
 
-async def _client_async(url, items, t0, n_out, timeout_s):
+async def _client_async(url, items, t0, n_out, timeout_s, id_prefix):
     import numpy as np
     import tritonclient.grpc.aio as grpcclient
 
@@ -239,7 +239,7 @@ async def _client_async(url, items, t0, n_out, timeout_s):
 
         async def requests():
             yield {"model_name": MODEL, "inputs": [inp], "outputs": wanted,
-                   "request_id": str(idx), "parameters": params}
+                   "request_id": f"{id_prefix}{idx}", "parameters": params}
 
         call = None
         try:
@@ -287,15 +287,18 @@ async def _client_async(url, items, t0, n_out, timeout_s):
         await client.close()
 
 
-def run_requests(url, arrivals, prompts, n_out, procs, timeout_s):
-    """Spread requests round-robin over client processes sharing one start time."""
+def run_requests(url, arrivals, prompts, n_out, procs, timeout_s, id_prefix=""):
+    """Spread requests round-robin over client processes sharing one start time. Request
+    ids are ``id_prefix`` + index (a prefix per run keeps timelines of one run, which a
+    stub may report in a later run's stats with several instances, from joining another)."""
     import tritonclient.grpc.aio  # noqa: F401 - imported once here, not in every forked worker
     items = [(i, a, p) for i, (a, p) in enumerate(zip(arrivals, prompts))]
     procs = max(1, min(procs, len(items)))
     shares = [items[k::procs] for k in range(procs)]
     t0 = time.time() + 0.3 + 0.05 * procs  # let the workers start
     with ProcessPoolExecutor(max_workers=procs, mp_context=get_context("fork")) as pool:
-        futs = [pool.submit(_client_worker, url, s, t0, n_out, timeout_s) for s in shares]
+        futs = [pool.submit(_client_worker, url, s, t0, n_out, timeout_s, id_prefix)
+                for s in shares]
         out = []
         for f in futs:
             out += f.result()
@@ -323,15 +326,16 @@ TTFT_PARTS = (("client_to_intake", "sent", "intake"), ("to_engine", "intake", "r
               ("to_client", "first_sent", "first"))
 
 
-def timeline_parts(reqs: list[dict], traces: list[dict]) -> dict:
-    """Join client records (request id = index) with the server's timelines: percentiles
+def timeline_parts(reqs: list[dict], traces: list[dict], id_prefix: str = "") -> dict:
+    """Join client records (request id = id_prefix + index) with the server's timelines
+    (with several instances, those of the stub that answered the stats): percentiles
     (``common.pcts``) of each part of the time to first token, of the final response's way to the client,
     and of the responses per request. Empty when no request has a complete timeline."""
     by_id = {t.get("id"): t for t in traces}
     parts: dict[str, list[float]] = {name: [] for name, _, _ in TTFT_PARTS}
     tail, responses = [], []
     for i, r in enumerate(reqs):
-        t = by_id.get(str(i))
+        t = by_id.get(f"{id_prefix}{i}")
         if t is None or r.get("first") is None or r.get("end") is None:
             continue
         when = dict(t, sent=r["origin"] + r["sent"], first=r["origin"] + r["first"])
@@ -365,8 +369,9 @@ def mode_offline(server, rec, args, budget):
             for rep in range(max(1, args.reps)):
                 prompts = C.random_prompts(b, n_in, C.hash_seed("offline", name, rep))
                 t = time.perf_counter()
+                run_id = f"{name}-{rep}-"
                 reqs = run_requests(server.grpc_url, [0.0] * b, prompts, n_out, args.client_procs,
-                                    max(60.0, budget.left()))
+                                    max(60.0, budget.left()), run_id)
                 wall = time.perf_counter() - t
                 runs.append(C.summarize(reqs))
                 lags = sorted((r["sent"] - r["arrival"]) * 1e3 for r in reqs if "sent" in r)
@@ -376,7 +381,8 @@ def mode_offline(server, rec, args, budget):
                 connects = C.pcts([r["connect_ms"] for r in reqs if "connect_ms" in r])
                 if connects:
                     runs[-1]["client_connect_ms"] = connects
-                runs[-1].update(timeline_parts(reqs, (server.stats() or {}).get("trace") or []))
+                runs[-1].update(timeline_parts(reqs, (server.stats() or {}).get("trace") or [],
+                                               run_id))
                 if wall > 6.0 or not budget.allows(wall * 2 + 10.0):
                     break
             runs.sort(key=lambda m: m["output_tok_per_s"] or 0)

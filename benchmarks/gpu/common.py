@@ -89,6 +89,8 @@ def online_items(rec, args, budget, label: str, reserve_s: float, shapes_wanted=
             continue
         rates = QUICK_RATES[shape] if args.quick else RATES.get(label, RATES["llama-8b"])[shape]
         for rate in rates:
+            if args.online_rates and rate not in args.online_rates:
+                continue
             if rec.is_done("online", shape, rate):
                 continue
             n = online_count(rate, args.online_window_s, args.online_max_requests,
@@ -309,3 +311,7 @@ def add_common_args(ap) -> None:
                     help="arrival window per rate: requests = rate x window (bounded)")
     ap.add_argument("--online-max-requests", type=int, default=300)
     ap.add_argument("--online-min-requests", type=int, default=24)
+    ap.add_argument("--online-rates", type=lambda text: [float(r) for r in text.split(",") if r],
+                    default=os.environ.get("BENCH_ONLINE_RATES") or None,
+                    help="only these of the shape's rates (req/s, comma-separated; env "
+                         "BENCH_ONLINE_RATES)")
