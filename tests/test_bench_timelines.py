@@ -63,3 +63,12 @@ def test_a_timeline_of_another_run_does_not_join(bench_triton):
     parts = bench_triton.timeline_parts(reqs, [dict(stale, id="b8-1-0")], "b8-1-")
     assert parts["ttft_parts_ms"]["engine"]["p50"] == pytest.approx(1.0)
     assert parts["responses_per_request"]["p50"] == 3.0
+
+
+def test_the_engine_loop_per_step_is_the_difference_of_two_stats(bench_triton):
+    before = {"engine_loop": {"step_s": 1.0, "send_s": 0.1, "idle_s": 5.0, "steps": 100}}
+    after = {"engine_loop": {"step_s": 1.4, "send_s": 0.14, "idle_s": 6.0, "steps": 300}}
+    assert bench_triton.engine_loop_per_step(before, after) == {
+        "steps": 200, "step_ms": 2.0, "send_ms": 0.2}
+    assert bench_triton.engine_loop_per_step(after, after) == {}
+    assert bench_triton.engine_loop_per_step({}, {"loop": {}}) == {}  # engine in the stub

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -130,6 +131,33 @@ def drive(eng, arrivals, prompts, params, *, deadline_s=None, step_log=None,
     return reqs, time.perf_counter() - t0
 
 
+class ChildEngine:
+    """The engine in a child process (``backend.engine_process``, as the Triton backend runs
+    it on a GPU) behind the calls ``drive`` makes: the in-process rows without Triton, to
+    tell the child's own cost from the stub's."""
+
+    def __init__(self, proc) -> None:
+        self.proc = proc
+        self._ids = itertools.count()
+
+    def add_request(self, prompt, params=None, request_id=None, stream=True):
+        rid = request_id or f"r{next(self._ids)}"
+        self.proc.add_request(prompt, params, request_id=rid, stream=stream)
+        return rid
+
+    def has_work(self):
+        return self.proc.has_work()
+
+    def step(self):
+        return self.proc.step()
+
+    def abort(self, rid):
+        self.proc.abort(rid)
+
+    def stats(self):
+        return self.proc.stats()
+
+
 def greedy(sp_cls, n_out, **kw):
     return sp_cls(max_new_tokens=n_out, temperature=0.0, ignore_eos=True, **kw)
 
@@ -142,7 +170,7 @@ def reset_cache(eng):
 
 
 def sync(torch, device):
-    if device.startswith("cuda"):
+    if torch is not None and device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
@@ -597,7 +625,8 @@ def config_name(args) -> str:
     if args.config_name:
         return args.config_name
     parts = [p for flag, p in ((args.no_radix_cache, "cache-off"), (args.no_overlap, "overlap-off"),
-                               (args.no_cuda_graph, "no-graph")) if flag]
+                               (args.no_cuda_graph, "no-graph"),
+                               (args.engine_process, "engine-process")) if flag]
     return "+".join(parts) or "default"
 
 
@@ -634,6 +663,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config-name", default=None, help="label (default from the flags)")
     ap.add_argument("--online-shapes", default=None,
                     help="comma list of online shapes (default all: in32_out128,in256_out32)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the engine in a child process, as the Triton backend runs it "
+                         "(offline and online modes)")
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="extra EngineConfig field, KEY=VALUE (repeatable)")
     args = ap.parse_args(argv)
@@ -677,20 +709,29 @@ def main(argv=None) -> int:
     kw = {k: v for k, v in kw.items() if k in fields}
     try:
         t = time.perf_counter()
-        eng = Engine(EngineConfig(**kw))
+        if args.engine_process:
+            from backend.engine_process import EngineProcess
+
+            modes = [m for m in modes if m in ("offline", "online")]
+            eng = ChildEngine(EngineProcess(EngineConfig(**kw)))
+            ctx["torch"] = torch = None  # CUDA lives in the child: no context here
+        else:
+            eng = Engine(EngineConfig(**kw))
         sync(torch, args.device)
         init_s = time.perf_counter() - t
         warm_s = warmup(eng, SamplingParams, args, torch)
         gc.collect()  # as the serving processes do: what is loaded stays out of the collector
         gc.freeze()
+        pool_tokens = eng.stats()["kv_tokens_total"]
         st = {"init_s": round(init_s, 2), "warmup_s": round(warm_s, 2),
-              "kv_pool_tokens": eng.runner.kv_pool.size, "engine_config": kw,
-              "torch": torch.__version__}
-        if on_cuda:
+              "kv_pool_tokens": pool_tokens, "engine_config": kw}
+        if torch is not None:
+            st["torch"] = torch.__version__
+        if on_cuda and torch is not None:
             st.update(gpu=torch.cuda.get_device_name(), mem_allocated_GiB=round(torch.cuda.memory_allocated() / 2**30, 2),
                       mem_reserved_GiB=round(torch.cuda.memory_reserved() / 2**30, 2))
         rec.write("startup", "engine", st)
-        log(f"engine ready: init {init_s:.1f}s, warmup {warm_s:.1f}s, KV pool {eng.runner.kv_pool.size} tokens")
+        log(f"engine ready: init {init_s:.1f}s, warmup {warm_s:.1f}s, KV pool {pool_tokens} tokens")
     except Exception as exc:  # noqa: BLE001
         rec.write("startup", "engine", status="error", error=C.error_text(exc))
         return 1
@@ -707,6 +748,8 @@ def main(argv=None) -> int:
             rec.write(mode, "all", status="error", error=C.error_text(exc))
         log(f"mode {mode}: {time.perf_counter() - t:.1f}s")
         gc.collect()
+    if isinstance(eng, ChildEngine):
+        eng.proc.close()
     log(f"bench_engine done in {budget.elapsed():.1f}s")
     return 0
 

@@ -355,6 +355,18 @@ def timeline_parts(reqs: list[dict], traces: list[dict], id_prefix: str = "") ->
     return out
 
 
+def engine_loop_per_step(before: dict, after: dict) -> dict:
+    """The engine process's loop between two stats answers: ms per step in ``step()`` and
+    in sending its outputs, and the steps (empty without the engine process's timings)."""
+    a, b = before.get("engine_loop") or {}, after.get("engine_loop") or {}
+    steps = b.get("steps", 0) - a.get("steps", 0)
+    if steps <= 0:
+        return {}
+    return {"steps": steps,
+            "step_ms": round(1e3 * (b["step_s"] - a["step_s"]) / steps, 4),
+            "send_ms": round(1e3 * (b["send_s"] - a["send_s"]) / steps, 4)}
+
+
 def mode_offline(server, rec, args, budget):
     rows = C.QUICK_OFFLINE_ROWS if args.quick else C.OFFLINE_ROWS
     for b, n_in, n_out in rows:
@@ -366,6 +378,7 @@ def mode_offline(server, rec, args, budget):
             continue
         try:
             runs = []
+            before = server.stats() or {}
             for rep in range(max(1, args.reps)):
                 prompts = C.random_prompts(b, n_in, C.hash_seed("offline", name, rep))
                 t = time.perf_counter()
@@ -381,13 +394,19 @@ def mode_offline(server, rec, args, budget):
                 connects = C.pcts([r["connect_ms"] for r in reqs if "connect_ms" in r])
                 if connects:
                     runs[-1]["client_connect_ms"] = connects
-                runs[-1].update(timeline_parts(reqs, (server.stats() or {}).get("trace") or [],
-                                               run_id))
+                after = server.stats() or {}
+                runs[-1].update(timeline_parts(reqs, after.get("trace") or [], run_id))
+                per_step = engine_loop_per_step(before, after)
+                if per_step:
+                    runs[-1]["engine_loop_ms_per_step"] = per_step
+                before = after
                 if wall > 6.0 or not budget.allows(wall * 2 + 10.0):
                     break
             runs.sort(key=lambda m: m["output_tok_per_s"] or 0)
             m = dict(runs[len(runs) // 2])
             m["reps_output_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
+            m["reps_engine_step_ms"] = [r.get("engine_loop_ms_per_step", {}).get("step_ms")
+                                        for r in runs]
             m.update(batch=b, n_in=n_in, n_out=n_out, client_procs=args.client_procs)
             rec.write("offline", name, m, status="ok" if m["n_completed"] == b else "truncated")
             if m.get("ttft_parts_ms"):

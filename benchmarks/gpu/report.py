@@ -36,10 +36,13 @@ BATCH1_TARGET = {"llama-1b": (0.60, 1027), "llama-8b": (0.85, 224)}
 MODEL_ORDER = ["llama-1b", "llama-8b", "default", "tiny-llama"]
 PREFIX_WORKLOADS = ("few-shot", "multi-turn", "tree-of-thought",
                     "few-shot-short", "multi-turn-short", "tree-of-thought-short")
+# bench_triton configurations: one model instance, and two sharing one engine process
+TRITON_CONFIGS = (("default", "1 instance"), ("instances-2", "2 instances"))
 ROW_ORDER = ["b1_in32_out128", "b32_in32_out128", "b128_in32_out128", "b32_in256_out32"]
 SYSTEM_STYLE = {  # label, color
     ("engine", "default"): ("ours (in-process)", "tab:blue"),
     ("triton", "default"): ("ours via Triton gRPC", "tab:orange"),
+    ("triton", "instances-2"): ("ours via Triton gRPC, 2 instances", "tab:brown"),
     ("engine", "overlap-off"): ("ours, overlap off", "tab:purple"),
     ("engine", "cache-off"): ("ours, radix cache off", "tab:gray"),
     ("hf", None): ("transformers static batches", "tab:red"),
@@ -197,7 +200,7 @@ def offline_section(db):
             if w.startswith("few-shot"):
                 cache_off = w.endswith("(cache off)")
                 ours = db.metric("engine", model, "cache-off" if cache_off else "default", "prefix", "few-shot")
-                tri = None
+                tri = tri2 = None
                 co = db.metric("engine", model, "cache-off", "prefix", "few-shot") if not cache_off else None
                 oo = db.metric("engine", model, "overlap-off", "prefix", "few-shot")
                 hf = None
@@ -205,20 +208,21 @@ def offline_section(db):
             else:
                 ours = db.metric("engine", model, "default", "offline", w)
                 tri = db.metric("triton", model, "default", "offline", w)
+                tri2 = db.metric("triton", model, "instances-2", "offline", w)
                 co = db.metric("engine", model, "cache-off", "offline", w)
                 oo = db.metric("engine", model, "overlap-off", "offline", w)
                 hf = db.metric("hf", model, None, "offline", w)
                 b, i, o = _parse_row(w)
                 label = f"batch {b}, {i}/{o}"
-            if all(v is None for v in (ours, tri, co, oo, hf)) and (hf_a, vllm_a) == (None, None):
+            if all(v is None for v in (ours, tri, tri2, co, oo, hf)) and (hf_a, vllm_a) == (None, None):
                 continue
-            rows.append([label, fmt(hf_a), fmt(hf), fmt(vllm_a), f"**{fmt(ours)}**", fmt(tri), fmt(co),
-                         fmt(oo), ratio(ours, vllm_a, pct=True), ratio(ours, hf)])
+            rows.append([label, fmt(hf_a), fmt(hf), fmt(vllm_a), f"**{fmt(ours)}**", fmt(tri), fmt(tri2),
+                         fmt(co), fmt(oo), ratio(ours, vllm_a, pct=True), ratio(ours, hf)])
         if rows:
             parts.append(f"### {model}\n")
             parts.append(table(["workload (in/out)", "transformers (anchor)", "transformers (this run)",
                                 "vLLM 0.26 (anchor)", "ours in-process", "ours via Triton",
-                                "ours, cache off", "ours, overlap off", "ours / vLLM",
+                                "via Triton, 2 instances", "ours, cache off", "ours, overlap off", "ours / vLLM",
                                 "ours / transformers"], rows))
             b1 = db.metric("engine", model, "default", "offline", "b1_in32_out128")
             hb = db.get("engine", model, "default", "hbm", "decode_b1_in512")
@@ -285,7 +289,8 @@ def _parse_row(w):
 
 
 def online_systems(db, model):
-    out = [("engine", "default"), ("triton", "default"), ("hf", None), ("engine", "overlap-off")]
+    out = [("engine", "default"), ("triton", "default"), ("triton", "instances-2"), ("hf", None),
+           ("engine", "overlap-off")]
     return [s for s in out if any(r["model"] == model and r["mode"] == "online" and r["system"] == s[0]
                                   and (s[1] is None or r["config"] == s[1]) for r in db.recs)]
 
@@ -453,26 +458,8 @@ def targets_section(db):
             if hr and hr.get("status") == "ok" and hr["metrics"].get("hit_rate_vs_best") is not None:
                 v = hr["metrics"]["hit_rate_vs_best"]
                 rows.append([f"{w}, {model}: hit rate >= 95% of best", f"{100 * v:.1f}%", _yes(v >= 0.95)])
-        for w in ROW_ORDER:
-            t, e, note = db.paired(("triton", model, "default", "offline", w, None),
-                                   ("engine", model, "default", "offline", w, None))
-            if t and e:
-                others = [f"{stem} {100 * r:.0f}%" for stem, r in db.ratios_by_file(
-                    ("triton", model, "default", "offline", w, None),
-                    ("engine", model, "default", "offline", w, None), SERVING_CODE_SINCE)
-                    if stem not in note]
-                also = f"; also {', '.join(others)}" if others else ""
-                rows.append([f"Triton gRPC {w}, {model}: within 10% of in-process",
-                             f"{100 * t / e:.0f}% ({note}{also})", _yes(t >= 0.9 * e)])
-        for shape in C.ONLINE_SHAPES:
-            rs = [r for r in db.rates(model, shape) if db.metric("triton", model, "default", "online", shape, rate=r)
-                  and db.metric("engine", model, "default", "online", shape, rate=r)]
-            if rs:
-                r = max(rs)
-                t, e, note = db.paired(("triton", model, "default", "online", shape, _rate(r)),
-                                       ("engine", model, "default", "online", shape, _rate(r)))
-                rows.append([f"Triton gRPC online {shape} at {r:g} req/s, {model}: within 10%",
-                             f"{100 * t / e:.0f}% ({note})", _yes(t >= 0.9 * e)])
+        for config, how in TRITON_CONFIGS:
+            rows += triton_target_rows(db, model, config, how)
         hb = db.get("engine", model, "default", "hbm", "decode_b64_in512")
         if hb and hb.get("status") == "ok" and hb["metrics"].get("sched_fraction_of_step") is not None:
             v = hb["metrics"]["sched_fraction_of_step"]
@@ -493,6 +480,33 @@ def targets_section(db):
                 rows.append([f"batch 1 32/128, {model}: >= {BATCH1_TARGET[model][1]:,} tok/s",
                              f"{ours:,.0f}", _yes(ours >= BATCH1_TARGET[model][1])])
     return "## Issue 7 targets: what this run reached\n\n" + table(["target", "measured", "met"], rows) + "\n"
+
+
+def triton_target_rows(db, model, config, how):
+    """Within 10% of in-process through Triton: the offline rows and the highest rate of
+    each online shape, the two sides from one call where one has both."""
+    rows = []
+    for w in ROW_ORDER:
+        t, e, note = db.paired(("triton", model, config, "offline", w, None),
+                               ("engine", model, "default", "offline", w, None))
+        if t and e:
+            others = [f"{stem} {100 * r:.0f}%" for stem, r in db.ratios_by_file(
+                ("triton", model, config, "offline", w, None),
+                ("engine", model, "default", "offline", w, None), SERVING_CODE_SINCE)
+                if stem not in note]
+            also = f"; also {', '.join(others)}" if others else ""
+            rows.append([f"Triton gRPC, {how}, {w}, {model}: within 10% of in-process",
+                         f"{100 * t / e:.0f}% ({note}{also})", _yes(t >= 0.9 * e)])
+    for shape in C.ONLINE_SHAPES:
+        rs = [r for r in db.rates(model, shape) if db.metric("triton", model, config, "online", shape, rate=r)
+              and db.metric("engine", model, "default", "online", shape, rate=r)]
+        if rs:
+            r = max(rs)
+            t, e, note = db.paired(("triton", model, config, "online", shape, _rate(r)),
+                                   ("engine", model, "default", "online", shape, _rate(r)))
+            rows.append([f"Triton gRPC, {how}, online {shape} at {r:g} req/s, {model}: within 10%",
+                         f"{100 * t / e:.0f}% ({note})", _yes(t >= 0.9 * e)])
+    return rows
 
 
 def _yes(ok):
@@ -581,6 +595,8 @@ def plots(db, out_dir):
                   ("vLLM 0.26 (anchor)", "tab:green", lambda w: ANCHORS.get(model, {}).get(w, (None, None))[1]),
                   ("ours", "tab:blue", lambda w: db.metric("engine", model, "default", "offline", w)),
                   ("ours via Triton", "tab:orange", lambda w: db.metric("triton", model, "default", "offline", w)),
+                  ("via Triton, 2 instances", "tab:brown",
+                   lambda w: db.metric("triton", model, "instances-2", "offline", w)),
                   ("ours, overlap off", "tab:purple", lambda w: db.metric("engine", model, "overlap-off", "offline", w))]
         width = 0.8 / len(series)
         for j, (lab, col, fn) in enumerate(series):
