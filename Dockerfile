@@ -68,11 +68,12 @@ RUN test -f /models/model_repository/preprocessing/1/model.py && \
 COPY docker/entrypoint.py /opt/radixlm/entrypoint.py
 
 # Engine settings applied by the entrypoint (docker/entrypoint.py) to the engine model's
-# config.pbtxt at start: the model folder, the GPU, one engine instance per visible GPU.
+# config.pbtxt at start: the model folder, the GPU, one engine per visible GPU with two
+# Triton instances (stubs) in front of it (backend/engine_process.py).
 ENV RADIXLM_MODEL_PATH=/opt/radixlm/models/default \
     RADIXLM_ENGINE_MODEL=llm \
     RADIXLM_PARAM_DEVICE=cuda \
-    RADIXLM_INSTANCE_GROUP="[ { count: 1, kind: KIND_GPU } ]"
+    RADIXLM_INSTANCE_GROUP="[ { count: 2, kind: KIND_GPU } ]"
 
 WORKDIR /opt/radixlm
 # 8000 HTTP/REST (KServe v2), 8001 gRPC, 8002 Prometheus metrics.

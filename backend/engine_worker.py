@@ -25,9 +25,10 @@ import time
 import traceback
 from dataclasses import fields
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from backend.core.outputs import StepOutput
-from backend.serving import TRACE_ENV, env_int
+from backend.serving import PROFILE_ENV, TRACE_ENV, env_int, write_profile
 
 log = logging.getLogger("radixlm.engine_worker")
 
@@ -76,6 +77,13 @@ class Worker:
         self.timings = {"step_s": 0.0, "send_s": 0.0, "idle_s": 0.0, "steps": 0}
         # when each traced request's "add" arrived, until its first output leaves
         self.received: dict[str, float] | None = {} if env_int(TRACE_ENV) > 0 else None
+        # RADIXLM_PROFILE_DIR (which the stub passes on): the step loop under cProfile,
+        # written at every stats request and at the end
+        self.profiler = self.profile_path = None
+        if os.environ.get(PROFILE_ENV):
+            import cProfile
+            self.profiler = cProfile.Profile()
+            self.profile_path = Path(os.environ[PROFILE_ENV]) / f"engine_process_{os.getpid()}.txt"
 
     # ---- peers
     def add_peer(self, conn: Connection, name: str) -> _Peer:
@@ -222,6 +230,9 @@ class Worker:
                     peer.conn.close()
                 continue
             if kind == "stats":
+                if self.profiler is not None:
+                    write_profile(self.profiler, self.profile_path)
+                    self.profiler.enable()
                 value = dict(self.engine.stats())
                 value["engine_loop"] = {k: round(v, 4) for k, v in self.timings.items()}
                 value["engine_peers"] = len(self.peers)
@@ -235,6 +246,17 @@ class Worker:
 
     # ---- the step loop
     def run(self) -> None:
+        if self.profiler is None:
+            self._run()
+            return
+        self.profiler.enable()
+        try:
+            self._run()
+        finally:
+            self.profiler.disable()
+            write_profile(self.profiler, self.profile_path)
+
+    def _run(self) -> None:
         engine, timings = self.engine, self.timings
         while not self.closing:
             self.answer_controls()

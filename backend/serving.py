@@ -385,18 +385,8 @@ class EngineLoop:
 
     def _dump_profile(self) -> None:
         """Write the loop thread's profile so far (only when RADIXLM_PROFILE_DIR is set)."""
-        if self._profiler is None:
-            return
-        import pstats
-        out = io.StringIO()
-        stats = pstats.Stats(self._profiler, stream=out)  # stops the profiler
-        stats.sort_stats("tottime").print_stats(35)
-        stats.sort_stats("cumulative").print_stats(35)
-        try:
-            self._profile_path.parent.mkdir(parents=True, exist_ok=True)
-            self._profile_path.write_text(out.getvalue())
-        except OSError as exc:
-            log.warning("cannot write the loop profile %s: %s", self._profile_path, exc)
+        if self._profiler is not None:
+            write_profile(self._profiler, self._profile_path)
 
     def _run_loop(self) -> None:
         try:
@@ -666,6 +656,21 @@ class EngineLoop:
         self._fail_all("the model is shutting down")
         self._answer_stats()
         self._outbox.close(max(1.0, deadline - time.monotonic()))
+
+
+def write_profile(profiler, path: Path) -> None:
+    """A cProfile profile so far as text at ``path``, by own time and by cumulative time
+    (reading it stops the profiler: enable it again to go on)."""
+    import pstats
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(35)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(out.getvalue())
+    except OSError as exc:
+        log.warning("cannot write the profile %s: %s", path, exc)
 
 
 def _merge_streamed(queued: list, item: _Streamed) -> bool:

@@ -429,7 +429,7 @@ def test_engine_settings_configmap(rendered):
     assert default == {
         "RADIXLM_ENGINE_MODEL": "llm",
         "RADIXLM_MODEL_PATH": "/opt/radixlm/models/default",
-        "RADIXLM_INSTANCE_GROUP": "[ { count: 1, kind: KIND_GPU } ]",
+        "RADIXLM_INSTANCE_GROUP": "[ { count: 2, kind: KIND_GPU } ]",
         "RADIXLM_PARAM_DEVICE": "cuda",
         "RADIXLM_PARAM_MAX_TOTAL_TOKENS": "",  # removed: the pool is sized from the GPU memory
         "RADIXLM_PARAM_MEM_FRACTION_STATIC": "0.85",
@@ -634,7 +634,7 @@ def test_entrypoint_writes_engine_settings(repository, rendered):
     assert params["device"] == "cuda"
     assert "kind: KIND_CPU" not in llm
     assert llm.count("instance_group") == 1
-    assert llm.rstrip().endswith("instance_group [ { count: 1, kind: KIND_GPU } ]")
+    assert llm.rstrip().endswith("instance_group [ { count: 2, kind: KIND_GPU } ]")
     assert params["model_path"] == "/models/hf"
     assert params["max_total_tokens"] == "1000000"
     assert params["schedule_policy"] == "fcfs"

@@ -240,3 +240,22 @@ def test_a_model_that_cannot_load_fails_the_start_with_the_reason(tmp_path):
 
     with pytest.raises(EngineProcessDied, match="building the engine failed"):
         EngineProcess(EngineConfig(model_path=str(tmp_path / "missing"), **SETTINGS))
+
+
+def test_the_childs_step_loop_is_profiled_on_request(model_path, monkeypatch, tmp_path):
+    """RADIXLM_PROFILE_DIR (passed on to the child): its step loop's cProfile text is
+    written at every stats request."""
+    from backend import serving
+    from backend.core import EngineConfig
+    monkeypatch.setenv(serving.PROFILE_ENV, str(tmp_path))
+    engine = EngineProcess(EngineConfig(model_path=str(model_path), **SETTINGS))
+    try:
+        engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0,
+                                                     ignore_eos=True), request_id="profiled")
+        run_until_finished(engine, 1)
+        engine.stats()
+        profile = tmp_path / f"engine_process_{engine.pid}.txt"
+        text = profile.read_text()
+        assert "engine.py" in text and "(step)" in text
+    finally:
+        engine.close()
