@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import hashlib
 import logging
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -376,17 +376,32 @@ class EngineProcess:
             self._cv.notify_all()
 
 
+def shared_paths(config, key: str) -> tuple[Path, Path]:
+    """The Unix socket and the lock file of the engine process shared under ``key`` with
+    ``config`` (another config, say after a model reload with new settings, gets an engine
+    of its own), in a folder only this user may enter."""
+    folder = Path(tempfile.gettempdir()) / f"radixlm-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise EngineProcessDied(f"{folder} must belong to this user with mode 0700: it holds "
+                                "the engine's socket")
+    digest = hashlib.sha1(f"{key}\n{config!r}".encode()).hexdigest()[:16]
+    return folder / f"engine-{digest}.sock", folder / f"engine-{digest}.lock"
+
+
 def open_shared(config, key: str, start_timeout_s: float = 1800.0, **kwargs) -> EngineProcess:
-    """The engine process of ``key`` (one per tritonserver, model and device): attach to
-    the one another stub started, or start it, listening for the others. A lock file
-    orders the stubs, so the second waits while the first builds the engine."""
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", key)
-    address = f"\0radixlm-engine-{name}"  # an abstract socket: nothing to clean up
-    with open(Path(tempfile.gettempdir()) / f"radixlm-engine-{name}.lock", "a") as lock:
+    """The engine process of ``key`` (one per tritonserver, model and device) for
+    ``config``: attach to the one another stub started, or start it, listening for the
+    others. A lock file orders the stubs, so the second waits while the first builds the
+    engine."""
+    address, lock_path = shared_paths(config, key)
+    with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return EngineProcess.attach(address, config, rpc_timeout_s=kwargs.get(
-                "rpc_timeout_s", 60.0))
+            return EngineProcess.attach(str(address), config,
+                                        rpc_timeout_s=kwargs.get("rpc_timeout_s", 60.0))
         except (ConnectionRefusedError, FileNotFoundError):
-            pass
-        return EngineProcess(config, start_timeout_s=start_timeout_s, listen=address, **kwargs)
+            pass  # none yet, or the socket of one that is gone: the child binds afresh
+        return EngineProcess(config, start_timeout_s=start_timeout_s, listen=str(address),
+                             **kwargs)

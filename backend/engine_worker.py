@@ -80,6 +80,7 @@ class Worker:
         # RADIXLM_PROFILE_DIR (which the stub passes on): the step loop under cProfile,
         # written at every stats request and at the end
         self.profiler = self.profile_path = None
+        self.socket_path: str | None = None  # a path to remove at exit
         if os.environ.get(PROFILE_ENV):
             import cProfile
             self.profiler = cProfile.Profile()
@@ -105,8 +106,16 @@ class Worker:
         return left
 
     def listen(self, address: str) -> None:
-        """Accept more stubs on the Unix socket ``address`` (an abstract name: ``\\0...``)."""
+        """Accept more stubs on the Unix socket ``address`` (a path, or an abstract name:
+        ``\\0...``). A path left by an engine process that died is replaced: the stubs
+        hold a lock while one of them starts this process."""
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if not address.startswith("\0"):
+            try:
+                os.unlink(address)
+            except FileNotFoundError:
+                pass
+            self.socket_path = address
         server.bind(address)
         server.listen(16)
         threading.Thread(target=self._accept, args=(server,), name="radixlm-accept",
@@ -128,6 +137,13 @@ class Worker:
             self.add_peer(conn, str(count))
             log.info("a stub attached (%d attached)", len(self.peers))
             count += 1
+
+    def remove_socket(self) -> None:
+        if self.socket_path is not None:
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
 
     # ---- outputs
     def firsts(self, outputs) -> dict[str, float] | None:
@@ -182,6 +198,7 @@ class Worker:
             traceback.print_exc()
         peer.gone = True
         if self.remove_peer(peer) == 0:
+            self.remove_socket()
             os._exit(0)  # the last stub is gone: nobody to serve
 
     def handle(self, peer: _Peer, msg) -> bool:
@@ -320,7 +337,10 @@ def main(argv: list[str]) -> int:
             return 1
     conn.send(("ready", info))
     worker.add_peer(conn, "0")
-    worker.run()
+    try:
+        worker.run()
+    finally:
+        worker.remove_socket()
     return 0
 
 

@@ -268,7 +268,7 @@ class TritonPythonModel:
             if instances > 1:
                 # every instance of this model on this device fronts one engine (one KV
                 # pool, one radix cache): see backend/engine_process.py
-                key = f"{os.getppid()}-{args['model_name']}-{config.device}"
+                key = f"{os.getppid()}-{args['model_name']}-{args.get('model_version', '')}"
                 self.logger.log_info(f"radixlm: building or joining the engine of {key}: {config}")
                 self.engine = open_shared(config, key)
             else:

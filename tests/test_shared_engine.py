@@ -4,7 +4,9 @@ one radix cache, the engine outlives the stub that started it until the last one
 and a stub that dies has its requests aborted without disturbing the others."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ import uuid
 import pytest
 
 from backend.core import EngineConfig, SamplingParams
-from backend.engine_process import EngineProcess, open_shared
+from backend.engine_process import EngineProcess, open_shared, shared_paths
 from engine_helpers import make_engine, random_prompts, tiny_model
 from test_engine_process import SETTINGS, _alive, by_request, run_until_finished
 
@@ -119,12 +121,21 @@ def test_a_stub_that_dies_has_its_requests_aborted_and_the_others_go_on(config, 
 
 
 def test_open_shared_starts_the_engine_once_and_attaches_after(config):
-    key = f"test-{uuid.uuid4().hex}/llm cuda:0"  # any text: it is made a safe name
+    key = f"test-{uuid.uuid4().hex}"
+    socket_path, _ = shared_paths(config, key)
+    assert oct(socket_path.parent.stat().st_mode & 0o777) == "0o700"  # this user's only
+    # the socket file an engine process that died left behind
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(socket_path))
+    stale.close()
     first = open_shared(config, key)
     second = open_shared(config, key)
+    other = open_shared(dataclasses.replace(config, max_running_requests=8), key)
     try:
         assert first.started_here and not second.started_here
         assert first.pid == second.pid
+        assert other.started_here and other.pid != first.pid  # new settings, new engine
     finally:
-        second.close()
-        first.close()
+        for engine in (second, first, other):
+            engine.close()
+    assert not socket_path.exists()  # the last stub gone, the engine removed its socket
