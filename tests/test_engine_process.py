@@ -219,10 +219,7 @@ def test_the_child_exits_when_its_stub_goes_away(model_path, tmp_path):
         child = int(stub.stdout.readline())
         stub.kill()
         stub.wait(10)
-        deadline = time.monotonic() + 30
-        while _alive(child):
-            assert time.monotonic() < deadline, "the engine process outlived its stub"
-            time.sleep(0.05)
+        wait_gone(child, "its stub")
     finally:
         stub.kill()
 
@@ -233,6 +230,14 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def wait_gone(pid: int, what: str, timeout_s: float = 30.0) -> None:
+    """Wait for process ``pid`` to exit; fail with ``what`` outlived ... after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"the engine process outlived {what}"
+        time.sleep(0.05)
 
 
 def test_a_model_that_cannot_load_fails_the_start_with_the_reason(tmp_path):

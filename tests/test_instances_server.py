@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (MODEL_REPOSITORY, Stream, _stop, ensure_default_model, grpc_inputs,
                       joined, server_stats, start_server)
+from test_engine_process import wait_gone
 from test_metrics_server import Scrape
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -81,10 +82,6 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
                 break
         s.close()
         server.process.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{child}") and \
-                open(f"/proc/{child}/stat").read().split(")")[-1].split()[0] != "Z":
-            assert time.monotonic() < deadline, "the engine process outlived the server"
-            time.sleep(0.1)
+        wait_gone(child, "the server", timeout_s=10)
     finally:
         _stop(server.process)

@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 from backend.wire import read_model_info
 from conftest import DEFAULT_MODEL, Stream, _stop, generate_body, grpc_inputs, http_generate, \
     response_dict, start_server
+from test_engine_process import wait_gone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -169,10 +170,6 @@ def test_the_engine_in_its_own_process_serves_the_same_tokens_and_stops_cleanly(
         assert item["finish_reason"] == "abort"
         s.close()
         server.process.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{child}") and \
-                open(f"/proc/{child}/stat").read().split(")")[-1].split()[0] != "Z":
-            assert time.monotonic() < deadline, "the engine process outlived the server"
-            time.sleep(0.1)
+        wait_gone(child, "the server", timeout_s=10)
     finally:
         _stop(server.process)

@@ -17,7 +17,7 @@ import pytest
 from backend.core import EngineConfig, SamplingParams
 from backend.engine_process import EngineProcess, open_shared, shared_paths
 from engine_helpers import make_engine, random_prompts, tiny_model
-from test_engine_process import SETTINGS, _alive, by_request, run_until_finished
+from test_engine_process import SETTINGS, _alive, by_request, run_until_finished, wait_gone
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -76,10 +76,7 @@ def test_the_engine_serves_on_until_its_last_stub_leaves(config):
     assert len(by_request(run_until_finished(second, 1))["after"]) == 10
     assert second.stats()["engine_peers"] == 1
     second.close()
-    deadline = time.monotonic() + 30
-    while _alive(child):
-        assert time.monotonic() < deadline, "the engine process outlived its last stub"
-        time.sleep(0.05)
+    wait_gone(child, "its last stub")
 
 
 def test_a_stub_that_dies_has_its_requests_aborted_and_the_others_go_on(config, model_path,
