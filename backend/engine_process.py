@@ -139,6 +139,7 @@ class EngineProcess:
         self._next_token = 0
         self._dead: str | None = None
         self._bye: bool | None = None  # the child's answer to "close": was this the last stub
+        self.lock_path: Path | None = None  # shared (open_shared): held while leaving
         self._tokenizer = None
         self.info: dict = {}
         try:
@@ -187,7 +188,16 @@ class EngineProcess:
     def close(self, timeout_s: float = 10.0) -> None:
         """Leave the child: ask, and wait up to ``timeout_s`` for its answer. When no other
         stub is attached it exits; the stub that started it waits for that (up to
-        ``timeout_s``, then kills it)."""
+        ``timeout_s``, then kills it). A shared engine's lock is held meanwhile, so that no
+        stub attaches to a child that is about to end."""
+        if self.lock_path is None:
+            self._close(timeout_s)
+            return
+        with open(self.lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._close(timeout_s)
+
+    def _close(self, timeout_s: float) -> None:
         try:
             self._send(("close",))
         except (OSError, EngineProcessDied, ValueError):
@@ -399,9 +409,11 @@ def open_shared(config, key: str, start_timeout_s: float = 1800.0, **kwargs) -> 
     with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return EngineProcess.attach(str(address), config,
-                                        rpc_timeout_s=kwargs.get("rpc_timeout_s", 60.0))
+            engine = EngineProcess.attach(str(address), config,
+                                          rpc_timeout_s=kwargs.get("rpc_timeout_s", 60.0))
         except (ConnectionRefusedError, FileNotFoundError):
-            pass  # none yet, or the socket of one that is gone: the child binds afresh
-        return EngineProcess(config, start_timeout_s=start_timeout_s, listen=str(address),
-                             **kwargs)
+            # none yet, or the socket of one that ended: the child binds afresh
+            engine = EngineProcess(config, start_timeout_s=start_timeout_s,
+                                   listen=str(address), **kwargs)
+    engine.lock_path = lock_path
+    return engine

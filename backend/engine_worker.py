@@ -80,6 +80,7 @@ class Worker:
         # RADIXLM_PROFILE_DIR (which the stub passes on): the step loop under cProfile,
         # written at every stats request and at the end
         self.profiler = self.profile_path = None
+        self.listener: socket.socket | None = None
         self.socket_path: str | None = None  # a path to remove at exit
         if os.environ.get(PROFILE_ENV):
             import cProfile
@@ -96,11 +97,19 @@ class Worker:
         return peer
 
     def remove_peer(self, peer: _Peer) -> int:
-        """Detach ``peer`` and abort what it still had running; the peers left."""
+        """Detach ``peer`` and abort what it still had running; the peers left. With none
+        left no stub may attach any more: this process is about to end."""
         with self.peers_lock:
             if peer in self.peers:
                 self.peers.remove(peer)
             left = len(self.peers)
+            if left == 0 and self.listener is not None:
+                try:  # wakes the accept() under way (a close alone would leave it listening)
+                    self.listener.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self.listener.close()
+                self.listener = None
         for rid in [rid for rid, owner in list(self.owners.items()) if owner[0] is peer]:
             self.engine.abort(rid)
         return left
@@ -118,13 +127,17 @@ class Worker:
             self.socket_path = address
         server.bind(address)
         server.listen(16)
+        self.listener = server
         threading.Thread(target=self._accept, args=(server,), name="radixlm-accept",
                          daemon=True).start()
 
     def _accept(self, server: socket.socket) -> None:
         count = 1
         while True:
-            sock, _ = server.accept()
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return  # closed: the last stub left
             conn = Connection(sock.detach())
             try:
                 if not conn.poll(30.0) or conn.recv()[0] != "hello":

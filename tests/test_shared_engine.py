@@ -76,6 +76,8 @@ def test_the_engine_serves_on_until_its_last_stub_leaves(config):
     assert len(by_request(run_until_finished(second, 1))["after"]) == 10
     assert second.stats()["engine_peers"] == 1
     second.close()
+    with pytest.raises((ConnectionRefusedError, FileNotFoundError)):
+        EngineProcess.attach(where, config)  # it stopped listening before it said bye
     wait_gone(child, "its last stub")
 
 
