@@ -243,5 +243,21 @@ def server_stats(server) -> dict:
     return json.loads(response["stats"])
 
 
+def sigterm_mid_stream(server, s: "Stream") -> dict:
+    """Start a long greedy stream on ``s``, SIGTERM the server's process group once it has
+    streamed, and return the stream's final response (it must end without an error)."""
+    s.send("long", grpc_inputs("Tell me a story.", {"temperature": 0, "max_tokens": 3000,
+                                                      "ignore_eos": True}))
+    result, error = s.events.get(timeout=60)
+    assert error is None, error
+    os.killpg(server.process.pid, signal.SIGTERM)
+    while True:
+        result, error = s.events.get(timeout=30)
+        assert error is None, error
+        item = response_dict(result)
+        if item["final"]:
+            return item
+
+
 def joined(pieces: list[dict]) -> tuple[str, list[int]]:
     return "".join(p["text_output"] for p in pieces), [i for p in pieces for i in p["output_ids"]]

@@ -4,16 +4,14 @@ counters add up across instances while the engine-wide gauges come from one, and
 to the process group stops both stubs and the engine process."""
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import time
 
 import pytest
 
 from conftest import (MODEL_REPOSITORY, Stream, _stop, ensure_default_model, grpc_inputs,
-                      joined, server_stats, start_server)
+                      joined, server_stats, sigterm_mid_stream, start_server)
 from test_engine_process import wait_gone
 from test_metrics_server import Scrape
 
@@ -70,16 +68,7 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
                    if n == "radixlm_num_requests_running"]
         assert len(running) == 1  # the engine's gauges come from one instance
 
-        s.send("long", grpc_inputs("Tell me a story.", {"temperature": 0, "max_tokens": 3000,
-                                                          "ignore_eos": True}))
-        result, error = s.events.get(timeout=60)
-        assert error is None
-        os.killpg(server.process.pid, signal.SIGTERM)
-        while True:
-            result, error = s.events.get(timeout=30)
-            assert error is None, error
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
+        assert sigterm_mid_stream(server, s)["finish_reason"] == "abort"
         s.close()
         server.process.wait(timeout=30)
         wait_gone(child, "the server", timeout_s=10)

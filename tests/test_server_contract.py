@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.wire import read_model_info
 from conftest import DEFAULT_MODEL, Stream, _stop, generate_body, grpc_inputs, http_generate, \
-    response_dict, start_server
+    response_dict, sigterm_mid_stream, start_server
 from test_engine_process import wait_gone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -156,18 +156,7 @@ def test_the_engine_in_its_own_process_serves_the_same_tokens_and_stops_cleanly(
         want = reference_engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
         for i, w in enumerate(want):
             assert joined(got[f"p{i}"])[1] == w.token_ids
-        s.send("long", grpc_inputs("Tell me a story.", {"temperature": 0, "max_tokens": 3000,
-                                                          "ignore_eos": True}))
-        result, error = s.events.get(timeout=60)
-        assert error is None
-        os.killpg(server.process.pid, signal.SIGTERM)
-        while True:
-            result, error = s.events.get(timeout=30)
-            assert error is None, error
-            item = response_dict(result)
-            if item["final"]:
-                break
-        assert item["finish_reason"] == "abort"
+        assert sigterm_mid_stream(server, s)["finish_reason"] == "abort"
         s.close()
         server.process.wait(timeout=30)
         wait_gone(child, "the server", timeout_s=10)
