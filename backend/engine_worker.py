@@ -174,9 +174,10 @@ class Worker:
         peer.send(("out", [as_tuple(out)], self.engine.has_work(), time.time(),
                    self.firsts([out])))
 
-    def deliver(self, outputs: list[StepOutput]) -> None:
-        """One message per peer with outputs; when the engine went idle, every other peer
-        hears it too (a stub keeps polling for outputs while it thinks the engine busy)."""
+    def deliver(self, outputs: list[StepOutput], busy: bool) -> None:
+        """One message per peer with outputs; when the engine went idle (``busy`` false),
+        every other peer hears it too (a stub keeps polling for outputs while it thinks
+        the engine busy)."""
         owners = self.owners
         by_peer: dict[_Peer, list[StepOutput]] = {}
         for o in outputs:
@@ -188,7 +189,7 @@ class Worker:
                 owner[1] -= 1
                 if owner[1] <= 0:
                     del owners[o.request_id]
-        busy, now = self.engine.has_work(), time.time()
+        now = time.time()
         for peer, outs in by_peer.items():
             peer.send(("out", [as_tuple(o) for o in outs], busy, now, self.firsts(outs)))
         if not busy:
@@ -218,21 +219,17 @@ class Worker:
         """One command; False once the stub asked to close."""
         engine = self.engine
         kind = msg[0]
-        if kind == "add":
-            _, rid, prompt, params, stream = msg
-            if self.received is not None:
+        if kind in ("add", "score"):
+            rid = msg[1]
+            if kind == "add" and self.received is not None:
                 self.received[rid] = time.time()
-            self.owners[rid] = [peer, _num_outputs(params)]
+            # a score request ends with one output, carrying every choice's score
+            self.owners[rid] = [peer, _num_outputs(msg[3]) if kind == "add" else 1]
             try:
-                engine.add_request(prompt, params, request_id=rid, stream=stream)
-            except ValueError as exc:
-                self.owners.pop(rid, None)
-                self.refuse(peer, rid, str(exc))
-        elif kind == "score":
-            _, rid, prompt, choices = msg
-            self.owners[rid] = [peer, 1]  # one output carries every choice's score
-            try:
-                engine.add_score_request(prompt, choices, request_id=rid)
+                if kind == "add":
+                    engine.add_request(msg[2], msg[3], request_id=rid, stream=msg[4])
+                else:
+                    engine.add_score_request(msg[2], msg[3], request_id=rid)
             except ValueError as exc:
                 self.owners.pop(rid, None)
                 self.refuse(peer, rid, str(exc))
@@ -306,8 +303,9 @@ class Worker:
                     peer.send(("step_error", f"engine error: {exc}"))
                 continue
             stepped = time.perf_counter()
-            if outputs or not engine.has_work():
-                self.deliver(outputs)
+            busy = engine.has_work()
+            if outputs or not busy:
+                self.deliver(outputs, busy)
             timings["step_s"] += stepped - started
             timings["send_s"] += time.perf_counter() - stepped
             timings["steps"] += 1
