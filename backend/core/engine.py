@@ -209,7 +209,7 @@ class Engine:
         """Grammar masks, penalties and jump-forward need the previous token on the host
         before the next step is built."""
         return self.config.overlap and not any(
-            r.grammar is not None or r.grammar_future is not None or r.params.has_penalties
+            r.grammar is not None or r.grammar_future is not None or r.penalized
             for r in self.scheduler.running)
 
     def _drain_inbox(self) -> list[StepOutput]:

@@ -66,6 +66,13 @@ class Req:
     grammar_future: object | None = None  # compilation in flight; not schedulable until done
     detok: object | None = None  # output_processor.TextState
 
+    def __post_init__(self) -> None:
+        # read every step for every request: fixed at creation, as the params are
+        p = self.params
+        self.penalized = p.has_penalties
+        # its token is the argmax of the raw logits, no logprobs (a grammar may still mask)
+        self.plain_greedy = p.is_greedy and not self.penalized and not p.logprobs
+
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

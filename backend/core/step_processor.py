@@ -53,49 +53,50 @@ class StepProcessor:
 
     def _on_token(self, it: ScheduledItem, tok: int, lp) -> list[StepOutput]:
         r, eng = it.req, self.engine
+        p = r.params
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
-            if r.params.prompt_logprobs_start is not None:
+            if p.prompt_logprobs_start is not None:
                 r.prompt_logprobs = r.partial_prompt_logprobs
-        later = r.output_ids[it.out_index + 1:]  # placeholders of a step launched after this one
-        del r.output_ids[it.out_index:]
-        context = _detok_context(r)
-        r.output_ids.append(tok)
-        if lp is not None and r.params.logprobs > 0:
-            top = dict(zip(lp[1], lp[2])) if lp[1] is not None and r.params.logprobs > 1 else None
+        out, i = r.output_ids, it.out_index
+        context = _detok_context(r, i)
+        # the token replaces its placeholder; a later step's placeholder (overlap) stays
+        # after it unless this request ends here
+        out[i] = tok
+        n_out = i + 1
+        if lp is not None and p.logprobs > 0:
+            top = dict(zip(lp[1], lp[2])) if lp[1] is not None and p.logprobs > 1 else None
             r.logprobs.append(TokenLogprob(tok, lp[0], top))
-        if r.grammar is not None and not r.grammar.accept(tok):
+        grammar = r.grammar
+        if grammar is not None and not grammar.accept(tok):
             r.error = f"token {tok} violates the request's grammar"
+            del out[n_out:]
             return self._finish(r, "abort", [tok], "", context)
-        new_ids, text, reason = [tok], "", self._stop_token_reason(r, tok)
-        if reason is None:
-            text = r.detok.add([tok])
-            if r.grammar is not None and not r.detok.stopped:
+        new_ids, text = [tok], ""
+        if tok in p.stop_token_ids or (tok in eng.eos_token_ids and not p.ignore_eos) or (
+                grammar is not None and grammar.is_terminated()):
+            reason = "stop"  # the stop token's own text is not returned
+        else:
+            detok = r.detok
+            text = detok.add(new_ids)
+            if grammar is not None and not detok.stopped:
+                del out[n_out:]  # (no overlap with a grammar: nothing after it anyway)
                 new_ids, text = self._jump_forward(r, new_ids, text)
-            reason = self._length_or_stop_reason(r)
+                n_out = len(out)
+            if detok.stopped:
+                reason = "stop"
+            elif n_out >= p.max_new_tokens or len(r.origin_input_ids) + n_out >= eng.context_len:
+                reason = "length"
+            else:
+                reason = None
         if reason is not None:
+            del out[n_out:]
             return self._finish(r, reason, new_ids, text, context)
-        r.output_ids.extend(later)
         if it.num_new > 1 and it.out_index == 0:
             eng.scheduler.cache_unfinished(r)  # the prompt is now shareable (n > 1 samples)
-        if r.group_id in eng._score_choices:
+        if eng._score_choices and r.group_id in eng._score_choices:
             return []
-        return [self._output(r, new_ids, text, context)]
-
-    def _stop_token_reason(self, r: Req, tok: int) -> str | None:
-        p = r.params
-        if tok in p.stop_token_ids or (tok in self.engine.eos_token_ids and not p.ignore_eos):
-            return "stop"  # the stop token's own text is not returned
-        if r.grammar is not None and r.grammar.is_terminated():
-            return "stop"
-        return None
-
-    def _length_or_stop_reason(self, r: Req) -> str | None:
-        if r.detok.stopped:
-            return "stop"
-        if len(r.output_ids) >= r.params.max_new_tokens or r.seq_len >= self.engine.context_len:
-            return "length"
-        return None
+        return [self._output(r, new_ids, text, context, n_out)]
 
     def _jump_forward(self, r: Req, new_ids: list[int], text: str) -> tuple[list[int], str]:
         """Append the text the grammar forces as tokens, computed next step. Only this
@@ -141,7 +142,7 @@ class StepProcessor:
         if gid in eng._score_choices:
             out = eng.score_output(gid)
             return [out] if out is not None else []
-        out = self._output(r, new_ids, text, context)
+        out = self._output(r, new_ids, text, context, len(r.output_ids))
         out.timings = _timings(r)
         group = eng._groups.get(gid, [])
         if all(s.finished for s in group):
@@ -150,16 +151,19 @@ class StepProcessor:
             eng._forget(gid)
         return [out]
 
-    def _output(self, r: Req, new_ids, text: str, context) -> StepOutput:
-        first = len(r.output_ids) == len(new_ids)
-        return StepOutput(
-            request_id=r.group_id, index=r.index, new_token_ids=list(new_ids), new_text=text,
-            finished=r.finished, finish_reason=r.finish_reason,
-            num_prompt_tokens=len(r.origin_input_ids), num_cached_tokens=r.num_cached_tokens,
-            num_output_tokens=len(r.output_ids),
-            logprobs=r.logprobs[-len(new_ids):] if r.params.logprobs and new_ids else None,
-            prompt_logprobs=r.prompt_logprobs if first and new_ids else None,
-            context_token_ids=list(context), error=r.error)
+    @staticmethod
+    def _output(r: Req, new_ids: list[int], text: str, context: list[int],
+                n_out: int) -> StepOutput:
+        """``new_ids`` and ``context`` are the caller's own lists (not copied); ``n_out``
+        the request's output length, placeholders of later steps not counted."""
+        if new_ids:
+            logprobs = r.logprobs[-len(new_ids):] if r.params.logprobs else None
+            prompt_logprobs = r.prompt_logprobs if n_out == len(new_ids) else None
+        else:
+            logprobs = prompt_logprobs = None
+        return StepOutput(r.group_id, r.index, new_ids, text, r.finish_reason is not None,
+                          r.finish_reason, len(r.origin_input_ids), r.num_cached_tokens,
+                          n_out, logprobs, prompt_logprobs, context, r.error)
 
     # ------------------------------------------------------------------ offline results
     def keep_results(self, gids: list[str]) -> None:
@@ -184,12 +188,17 @@ class StepProcessor:
         return head
 
 
-def _detok_context(r: Req) -> list[int]:
-    """Ids before the next output token, as a stateless detokenizer needs them to decode
-    that token's text exactly as the engine's own TextState does."""
+def _detok_context(r: Req, end: int | None = None) -> list[int]:
+    """Ids before output token ``end`` (default: after the last one), as a stateless
+    detokenizer needs them to decode that token's text exactly as the engine's own
+    TextState does. A new list."""
     k = STATELESS_CONTEXT_IDS
-    tail = r.output_ids[-k:]
-    return (r.detok.prompt_ids[-(k - len(tail)):] + tail) if len(tail) < k else tail
+    out = r.output_ids
+    if end is None:
+        end = len(out)
+    if end >= k:
+        return out[end - k:end]
+    return r.detok.prompt_ids[-(k - end):] + out[:end]
 
 
 def _timings(r: Req) -> dict[str, float]:
