@@ -80,3 +80,27 @@ def test_graph_capture_sizes_end_at_the_limit_itself():
     sizes = capture_sizes(300)  # not a listed size: still captured, so 257..300 replay
     assert sizes[-2:] == [256, 300] and sizes == sorted(set(sizes))
     assert capture_sizes(3) == [1, 2, 3]
+
+
+def test_build_decode_is_build_for_one_token_per_request():
+    # odd and even sizes: the padding between parts differs
+    for b in (1, 2, 3, 8, 33, 128):
+        prefix = [(i * 37) % 500 for i in range(b)]
+        ids = [-(i + 1) if i % 3 else 1000 + i for i in range(b)]  # placeholders and ids
+        rows = [b - i for i in range(b)]
+        locs = [9000 + 2 * i for i in range(b)]
+        slow = ForwardBatch.build(input_ids=ids, req_pool_indices=rows, extend_prefix_lens=prefix,
+                                  extend_seq_lens=[1] * b, out_cache_loc=locs,
+                                  logits_indices=list(range(b)), device="cpu")
+        fast = ForwardBatch.build_decode(input_ids=ids, req_pool_indices=rows, positions=prefix,
+                                         out_cache_loc=locs, device="cpu")
+        assert torch.equal(fast.flat, slow.flat)
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+                     "extend_prefix_lens", "extend_seq_lens", "qo_indptr", "logits_indices"):
+            f, s = getattr(fast, name), getattr(slow, name)
+            assert torch.equal(f, s), name
+            assert f.data_ptr() - fast.flat.data_ptr() == s.data_ptr() - slow.flat.data_ptr(), name
+        assert fast.seq_lens_cpu == slow.seq_lens_cpu == [p + 1 for p in prefix]
+        assert fast.extend_prefix_lens_cpu == prefix and fast.extend_seq_lens_cpu == [1] * b
+        assert fast.is_decode and fast.all_rows and slow.all_rows
+        assert torch.equal(fast.decode_inputs, slow.decode_inputs)

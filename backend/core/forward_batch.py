@@ -135,3 +135,30 @@ class ForwardBatch:
             all_rows=len(logits_indices) == len(input_ids)
             and logits_indices == list(range(len(input_ids))),
         )
+
+    @classmethod
+    def build_decode(cls, *, input_ids: list[int], req_pool_indices: list[int],
+                     positions: list[int], out_cache_loc: list[int],
+                     device: str | torch.device) -> "ForwardBatch":
+        """``build`` for a batch of one new token per request (token i at ``positions[i]``,
+        its logits wanted): the same fields and the same ``flat`` layout, assembled
+        without per-request loops."""
+        b = len(input_ids)
+        seq_lens = [p + 1 for p in positions]
+        ones = [1] * b
+        indptr = list(range(b + 1))
+        pad = [0] * (_aligned(b) - b)
+        values = (input_ids + pad + positions + pad + out_cache_loc + pad + req_pool_indices
+                  + pad + seq_lens + pad + positions + pad + ones + pad + indptr
+                  + [0] * (_aligned(b + 1) - b - 1) + indptr[:b] + pad)
+        flat = to_device(values, device)
+        a = _aligned(b)
+        q = 7 * a + _aligned(b + 1)
+        return cls(
+            input_ids=flat[:b], positions=flat[a:a + b], out_cache_loc=flat[2 * a:2 * a + b],
+            req_pool_indices=flat[3 * a:3 * a + b], seq_lens=flat[4 * a:4 * a + b],
+            extend_prefix_lens=flat[5 * a:5 * a + b], extend_seq_lens=flat[6 * a:6 * a + b],
+            qo_indptr=flat[7 * a:7 * a + b + 1], logits_indices=flat[q:q + b],
+            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=positions, extend_seq_lens_cpu=ones,
+            is_decode=True, flat=flat, all_rows=True,
+        )

@@ -89,6 +89,9 @@ class ForwardStep:
         return InFlight(items, sampled, result, tokens_host, done, prompt_rows, prompt_lp)
 
     def _build(self, items: list[ScheduledItem]):
+        batch = self._build_decode(items)
+        if batch is not None:
+            return batch, [], list(range(len(items)))
         input_ids, rows, prefix_lens, new_lens, locs, logits_idx = [], [], [], [], [], []
         prompt_rows: list[tuple[Req, int, int]] = []
         sample_rows: list[int] = []
@@ -117,6 +120,31 @@ class ForwardStep:
         batch.extra["num_placeholders"] = sum(1 for t in input_ids if t < 0)
         return batch, prompt_rows, sample_rows
 
+    def _build_decode(self, items: list[ScheduledItem]) -> ForwardBatch | None:
+        """The batch of a step in which every request computes one token and samples the
+        next (decode): one pass, no per-request slicing. None for any other step."""
+        input_ids, rows, positions, locs = [], [], [], []
+        placeholders = 0
+        for it in items:
+            r = it.req
+            if it.num_new != 1 or not it.samples or (
+                    r.params.prompt_logprobs_start is not None and r.prompt_logprobs is None):
+                return None
+            a = it.prefix_len
+            n_in = len(r.origin_input_ids)
+            t = r.output_ids[a - n_in] if a >= n_in else r.origin_input_ids[a]
+            if t < 0:
+                placeholders += 1
+            input_ids.append(t)
+            rows.append(r.req_pool_idx)
+            positions.append(a)
+            locs.append(it.new_slots[0])
+        batch = ForwardBatch.build_decode(input_ids=input_ids, req_pool_indices=rows,
+                                          positions=positions, out_cache_loc=locs,
+                                          device=self.engine.runner.device)
+        batch.extra["num_placeholders"] = placeholders
+        return batch
+
     @staticmethod
     def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``logits[rows]`` without a host sync. Indexing a CUDA tensor with a Python list
@@ -127,6 +155,8 @@ class ForwardStep:
         return logits.index_select(0, to_device(rows, logits.device))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
+        if all(r.plain_greedy and r.grammar is None for r in reqs):
+            return SampleResult(logits.argmax(dim=-1), None, None, None)
         rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, r.generator) for r in reqs]
         top = max(r.params.logprobs for r in reqs)
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
