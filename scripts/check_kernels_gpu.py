@@ -169,6 +169,37 @@ def check_cuda_graph(s: Setup, batch_size, max_ctx):
           f"{err:>10.2e} {'':>10} {'':>10} {'ok' if ok else 'FAIL'}")
 
 
+def check_pinned_ring() -> None:
+    """to_device's pinned ring under a busy device: many more copies than ring buffers are
+    queued behind long kernels, each with different values and sizes (buffers grow); every
+    device tensor must hold exactly its own list."""
+    from backend.core.transfer import to_device
+
+    rng = random.Random(7)
+    big = torch.randn(4096, 4096, device="cuda")
+    sent, got = [], []
+    for i in range(64):
+        if i % 8 == 0:
+            big = big @ big  # keeps the queue busy: copies wait behind it
+            big /= big.abs().max()
+        n = rng.choice([1, 3, 640, 5000, 20000])
+        dtype = rng.choice([torch.int64, torch.int32, torch.float32, torch.bool])
+        if dtype is torch.bool:
+            values = [rng.random() < 0.5 for _ in range(n)]
+        elif dtype is torch.float32:
+            values = [float(rng.randint(-1000, 1000)) / 8 for _ in range(n)]
+        else:
+            values = [rng.randint(-2**30, 2**30) for _ in range(n)]
+        sent.append(values)
+        got.append(to_device(values, "cuda", dtype))
+    torch.cuda.synchronize()
+    ok = all(t.tolist() == v for t, v in zip(got, sent))
+    if not ok:
+        FAILURES.append("pinned ring")
+    print(f"{'to_device pinned ring (64 copies, busy device)':<44} {'':>8} {'':>10} {'':>10} "
+          f"{'':>10} {'ok' if ok else 'FAIL'}")
+
+
 def bench(fn, iters=20, warmup=3) -> float:
     for _ in range(warmup):
         fn()
@@ -255,6 +286,7 @@ def main() -> int:
           [rnd.randint(0, ctx // 2) for _ in range(bsz)],
           [rnd.randint(ctx // 8, ctx // 2) for _ in range(4)] + [1] * (bsz - 4))
     check_cuda_graph(main_setup, min(bsz, 32), ctx)
+    check_pinned_ring()
     # rotary + store inside decode: the split holding the new token is the last, a middle
     # one (short rows), or a split boundary (seq_len a multiple of the chunk)
     for splits in (4, 16, 32):
