@@ -107,9 +107,10 @@ class _Window:
         self.tok, self.ids, self.skip = tokenizer, ids, skip_special_tokens
         self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.byte_of = _byte_fallback_ids(tokenizer)
+        self._decode = _decoder(tokenizer)
 
     def decode(self, a: int, b: int) -> str:
-        return _decoder(self.tok)(self.ids[a:b], self.skip) if b > a else ""
+        return self._decode(self.ids[a:b], self.skip) if b > a else ""
 
     def skip_partial(self, a: int, limit: int) -> int:
         """Move a window start off the continuation bytes of a character begun before it.
@@ -134,8 +135,12 @@ class _Window:
 
     def final(self, a: int, b: int) -> tuple[str, str]:
         """(text of ids[a:b], the part of it that no later id can change)."""
-        text = self.decode(a, b)
-        cut = self._open_char(a, b) if self.byte_of and b > a else b
+        text = self._decode(self.ids[a:b], self.skip) if b > a else ""
+        if not self.byte_of:  # byte-level BPE: only a trailing U+FFFD or clean-up tail
+            if not self.cleanup and (not text or text[-1] != _REPLACEMENT):
+                return text, text
+            return text, text[:_stable_len(text, self.cleanup)]
+        cut = self._open_char(a, b) if b > a else b
         done = text if cut == b else self.decode(a, cut)
         return text, done[:_stable_len(done, self.cleanup)]
 
@@ -170,8 +175,10 @@ def decode_window(tokenizer, ids: list[int], prefix_offset: int, read_offset: in
 
 
 def _step(tokenizer, ids: list[int], prefix_offset: int, read_offset: int,
-          skip_special_tokens: bool, final: bool, trim_start: bool) -> tuple[str, int, int]:
-    win = _Window(tokenizer, ids, skip_special_tokens)
+          skip_special_tokens: bool, final: bool, trim_start: bool,
+          win: _Window | None = None) -> tuple[str, int, int]:
+    if win is None:
+        win = _Window(tokenizer, ids, skip_special_tokens)
     end = len(ids)
     # A stateless window may begin inside a character (emitted earlier, by the window
     # rule); the anchors this module picks never do, so there stray bytes are real text.
@@ -219,7 +226,9 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids[-STATELESS_CONTEXT_IDS:]) if prompt_ids else []
         self._read = len(self._ids)
         # the tail may begin inside a character: start the window after its stray bytes
-        self._prefix = _Window(tokenizer, self._ids, skip_special_tokens).skip_partial(0, self._read)
+        # one window over self._ids for the stream's life (the list only changes in place)
+        self._win = _Window(tokenizer, self._ids, skip_special_tokens)
+        self._prefix = self._win.skip_partial(0, self._read)
         self._pieces: list[str] = []
         self._finished = False
 
@@ -232,7 +241,7 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         piece, self._prefix, self._read = _step(self.tokenizer, self._ids, self._prefix,
                                                 self._read, self.skip_special_tokens, False,
-                                                trim_start=False)
+                                                trim_start=False, win=self._win)
         if self._prefix >= _TRIM_AT:
             del self._ids[:self._prefix]
             self._read -= self._prefix
@@ -247,7 +256,8 @@ class IncrementalDetokenizer:
             return ""
         self._finished = True
         piece, _, self._read = _step(self.tokenizer, self._ids, self._prefix, self._read,
-                                     self.skip_special_tokens, True, trim_start=False)
+                                     self.skip_special_tokens, True, trim_start=False,
+                                     win=self._win)
         if piece:
             self._pieces.append(piece)
         return piece
