@@ -311,8 +311,45 @@ class Worker:
             timings["steps"] += 1
 
 
+CPUS_ENV = "RADIXLM_ENGINE_CPUS"
+
+
+def parse_cpus(text: str) -> set[int]:
+    """CPU numbers from a list like ``"8"``, ``"8,10"`` or ``"8-11,14"``."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{CPUS_ENV}={text!r}: expected CPU numbers like 8,10-11")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"{CPUS_ENV}={text!r}: range {part} runs backwards")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def pin_cpus() -> set[int] | None:
+    """Keep this process on the CPUs ``RADIXLM_ENGINE_CPUS`` names (unset: anywhere). The
+    step loop is one Python thread whose host time per step is close to the device's at
+    large batches: a core of its own keeps other processes' threads off it."""
+    text = os.environ.get(CPUS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        cpus = parse_cpus(text)  # may lie outside the parent's set: the child's own
+        os.sched_setaffinity(0, cpus)
+    except (ValueError, OSError) as exc:
+        logging.warning("not pinned: %s", exc)
+        return None
+    logging.info("pinned to CPUs %s", sorted(cpus))
+    return cpus
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="radixlm engine process: %(message)s")
+    pin_cpus()
     # A SIGTERM or Ctrl-C to the server's process group reaches this process too: the
     # stubs decide when it ends (each aborts its requests in flight and sends each its
     # final response first), by "close" or by going away.

@@ -264,3 +264,28 @@ def test_the_childs_step_loop_is_profiled_on_request(model_path, monkeypatch, tm
         assert "engine.py" in text and "(step)" in text
     finally:
         engine.close()
+
+
+def test_engine_cpus_setting_parses_lists_and_ranges_and_rejects_the_rest():
+    from backend.engine_worker import parse_cpus
+
+    assert parse_cpus("8") == {8}
+    assert parse_cpus("8,10-12, 3") == {3, 8, 10, 11, 12}
+    for bad in ("a", "3-", "5-2", "1;2"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_engine_cpus_setting_pins_the_process(monkeypatch):
+    from backend.engine_worker import pin_cpus
+
+    before = os.sched_getaffinity(0)
+    one = min(before)
+    monkeypatch.setenv("RADIXLM_ENGINE_CPUS", str(one))
+    try:
+        assert pin_cpus() == {one}
+        assert os.sched_getaffinity(0) == {one}
+        monkeypatch.setenv("RADIXLM_ENGINE_CPUS", "100000")  # not ours: left as it is
+        assert pin_cpus() is None and os.sched_getaffinity(0) == {one}
+    finally:
+        os.sched_setaffinity(0, before)
