@@ -28,6 +28,11 @@ LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step cos
 IN_BATCH_SHARE_MIN = 16
 
 
+# an eviction frees at least this share of the pool (1/EVICT_SHARE): least recently used
+# leaves that would soon go anyway
+EVICT_SHARE = 256
+
+
 @dataclass(slots=True)
 class ScheduledItem:
     req: Req
@@ -214,7 +219,9 @@ class Scheduler:
     def _ensure_free(self, n: int) -> bool:
         short = n - self.kv_pool.available_size()
         if short > 0:
-            self.cache.evict(short)
+            # an eviction walks the whole tree for its leaves: once the pool is full of
+            # cache, evicting just what one step needs would walk it every step
+            self.cache.evict(max(short, self.kv_pool.size // EVICT_SHARE))
         return self.kv_pool.available_size() >= n
 
     def _extend(self, req: Req, n: int) -> ScheduledItem:
