@@ -276,16 +276,45 @@ def test_engine_cpus_setting_parses_lists_and_ranges_and_rejects_the_rest():
             parse_cpus(bad)
 
 
-def test_engine_cpus_setting_pins_the_process(monkeypatch):
-    from backend.engine_worker import pin_cpus
+def test_engine_cpus_auto_gives_each_gpu_its_own_cpu_and_leaves_cpu_runs_alone():
+    from backend.engine_worker import loop_cpus
+
+    allowed = set(range(16))
+    assert loop_cpus("", allowed, "cuda") == {15}
+    assert loop_cpus("auto", allowed, "cuda:0") == {15}
+    assert loop_cpus("auto", allowed, "cuda:3") == {12}
+    assert loop_cpus("auto", {2, 5, 9, 11}, "cuda:1") == {9}
+    assert loop_cpus("auto", allowed, "cpu") is None  # nothing to overlap with
+    assert loop_cpus("auto", {0, 1}, "cuda") is None  # too few CPUs to give one away
+    assert loop_cpus("none", allowed, "cuda") is None
+    assert loop_cpus("3-4", allowed, "cpu") == {3, 4}
+
+
+def test_engine_cpus_setting_pins_the_loop_and_keeps_later_threads_off_it(monkeypatch):
+    import threading
+
+    from backend import engine_worker
 
     before = os.sched_getaffinity(0)
-    one = min(before)
+    if len(before) < 2:
+        pytest.skip("needs two CPUs")  # the CI machine has 2
+    one = max(before)
     monkeypatch.setenv("RADIXLM_ENGINE_CPUS", str(one))
+    monkeypatch.setattr(engine_worker, "_OTHER_CPUS", None)
     try:
-        assert pin_cpus() == {one}
+        assert engine_worker.pin_loop("cpu") == {one}
         assert os.sched_getaffinity(0) == {one}
-        monkeypatch.setenv("RADIXLM_ENGINE_CPUS", "100000")  # not ours: left as it is
-        assert pin_cpus() is None and os.sched_getaffinity(0) == {one}
+        seen = []
+
+        def other():
+            engine_worker._off_loop_cpus()
+            seen.append(os.sched_getaffinity(0))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert seen == [before - {one}]
+        monkeypatch.setenv("RADIXLM_ENGINE_CPUS", "100000")  # no such CPU: left as it is
+        assert engine_worker.pin_loop("cpu") is None and os.sched_getaffinity(0) == {one}
     finally:
         os.sched_setaffinity(0, before)

@@ -451,6 +451,8 @@ def main(argv=None) -> int:
                     help="Triton instances of the model (stubs in front of one engine process)")
     ap.add_argument("--server-profile-dir", default=None,
                     help="profile the server's engine loop thread (cProfile text) into this folder")
+    ap.add_argument("--config-name", default=None,
+                    help="label of the configuration (default: default, or instances-N)")
     ap.add_argument("--engine-param", action="append", default=[],
                     help="extra config.pbtxt engine parameter KEY=VALUE (repeatable)")
     args = ap.parse_args(argv)
@@ -464,7 +466,8 @@ def main(argv=None) -> int:
         args.client_procs = min(args.client_procs, 2)
     extra = dict(kv.split("=", 1) for kv in args.engine_param)
     rec = C.Recorder(args.out, "triton", label,
-                     "default" if args.instances == 1 else f"instances-{args.instances}",
+                     args.config_name or ("default" if args.instances == 1
+                                          else f"instances-{args.instances}"),
                      {"radix_cache": True, "overlap": True, "cuda_graph": True, "stream": True,
                       "client_procs": args.client_procs, "instances": args.instances},
                      C.load_done(args.done),
