@@ -127,8 +127,7 @@ class ForwardStep:
         placeholders = 0
         for it in items:
             r = it.req
-            if it.num_new != 1 or not it.samples or (
-                    r.params.prompt_logprobs_start is not None and r.prompt_logprobs is None):
+            if it.num_new != 1 or not it.samples or r.wants_prompt_logprobs:
                 return None
             a = it.prefix_len
             n_in = len(r.origin_input_ids)

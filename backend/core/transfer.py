@@ -22,9 +22,13 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float3
 class PinnedRing:
     """Round-robin pinned staging buffers for host-to-device copies on one device."""
 
-    def __init__(self, device: torch.device, slots: int = 8, min_bytes: int = 1 << 16) -> None:
+    def __init__(self, device: torch.device, slots: int = 8, min_bytes: int = 1 << 16,
+                 pin: bool = True, new_event=None) -> None:
+        """``pin`` and ``new_event`` exist for tests on machines without CUDA."""
         self.device = device
         self.min_bytes = min_bytes
+        self.pin = pin
+        self.new_event = new_event or torch.cuda.Event
         self.buffers: list[torch.Tensor | None] = [None] * slots
         self.events: list[torch.cuda.Event | None] = [None] * slots
         self.next = 0
@@ -32,7 +36,8 @@ class PinnedRing:
 
     def copy(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         n = len(values)
-        itemsize = _SIZES[dtype]
+        np_dtype = _NUMPY[dtype]
+        itemsize = np_dtype().itemsize
         nbytes = max(n * itemsize, 1)
         with self.lock:
             k = self.next
@@ -43,17 +48,16 @@ class PinnedRing:
             buf = self.buffers[k]
             if buf is None or buf.numel() < nbytes:
                 size = max(self.min_bytes, 1 << (nbytes - 1).bit_length())
-                buf = self.buffers[k] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                buf = self.buffers[k] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
             host = buf[:n * itemsize]
-            host.numpy().view(_NUMPY[dtype])[:] = values
+            host.numpy().view(np_dtype)[:] = values
             out = torch.empty(n, dtype=dtype, device=self.device)
             out.copy_(host.view(dtype), non_blocking=True)
-            event = self.events[k] = torch.cuda.Event()
+            event = self.events[k] = self.new_event()
             event.record()
         return out
 
 
-_SIZES = {torch.int64: 8, torch.int32: 4, torch.float32: 4, torch.bool: 1}
 _RINGS: dict[torch.device, PinnedRing] = {}
 _RINGS_LOCK = threading.Lock()
 
