@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -335,11 +335,57 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
-def loop_cpus(setting: str, allowed: set[int], device: str) -> set[int] | None:
-    """The CPUs of the step loop thread for a ``RADIXLM_ENGINE_CPUS`` value. ``auto``
-    (the default): on a CUDA device, with at least 4 CPUs to choose from, one CPU of its
-    own, counted from the highest by device index (one engine process per GPU on a host
-    gets a different one each); ``none``: no pinning; else the CPUs named."""
+@dataclass(frozen=True)
+class HostCpus:
+    """What ``auto`` pinning looks at besides the CPUs this process may use."""
+
+    online: int  # CPUs of the machine
+    shared: bool  # under a CPU quota or in Kubernetes: other tenants' processes share them
+    visible_gpus: tuple[int, ...] = ()  # CUDA/NVIDIA_VISIBLE_DEVICES as machine ordinals
+
+    @classmethod
+    def here(cls) -> "HostCpus":
+        return cls(os.cpu_count() or 1, _cpu_quota() or "KUBERNETES_SERVICE_HOST" in os.environ,
+                   _visible_gpus())
+
+
+def _cpu_quota() -> bool:
+    """A CFS quota on this process's cgroup (v2 cpu.max, v1 cpu.cfs_quota_us)."""
+    own = ""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                own = line[3:].strip().strip("/")
+    except OSError:
+        pass
+    v2 = [f"/sys/fs/cgroup/{own}/cpu.max"] if own else []
+    for path in v2 + ["/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"]:
+        try:
+            first = Path(path).read_text().split()[0]
+        except (OSError, IndexError):
+            continue
+        return first not in ("max", "-1")
+    return False
+
+
+def _visible_gpus() -> tuple[int, ...]:
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        parts = os.environ.get(name, "").replace(" ", "").split(",")
+        if parts and all(p.isdigit() for p in parts):
+            return tuple(int(p) for p in parts)
+    return ()
+
+
+def loop_cpus(setting: str, allowed: set[int], device: str,
+              host: HostCpus | None = None) -> set[int] | None:
+    """The CPUs of the step loop thread for a ``RADIXLM_ENGINE_CPUS`` value: ``none``: no
+    pinning; a list: those CPUs; ``auto`` (the default): on a CUDA device, with at least 4
+    CPUs to choose from, one CPU of its own, counted down from the highest by GPU, so that
+    the engine processes of a machine's GPUs get one each. Within a cpuset of its own
+    (fewer CPUs allowed than the machine has) the count goes by the device index; on CPUs
+    shared with other tenants (a CPU quota, Kubernetes) without such a cpuset, ``auto``
+    does not pin (another pod's engine could pick the same CPU); otherwise it goes by the
+    GPU's machine ordinal when the visible devices say it."""
     setting = setting.strip().lower() or "auto"
     if setting == "none":
         return None
@@ -347,7 +393,13 @@ def loop_cpus(setting: str, allowed: set[int], device: str) -> set[int] | None:
         return parse_cpus(setting)
     if not device.startswith("cuda") or len(allowed) < 4:
         return None
+    host = host or HostCpus.here()
     index = int(device.partition(":")[2] or 0)
+    if len(allowed) >= host.online:  # the machine's CPUs, not a set of our own
+        if host.shared:
+            return None
+        if index < len(host.visible_gpus):
+            index = host.visible_gpus[index]
     ordered = sorted(allowed)
     return {ordered[-1 - index % (len(ordered) - 1)]}
 
@@ -364,6 +416,9 @@ def pin_loop(device: str) -> set[int] | None:
     try:
         cpus = loop_cpus(os.environ.get(CPUS_ENV, ""), allowed, device)
         if cpus is None:
+            if device.startswith("cuda") and not os.environ.get(CPUS_ENV, "").strip():
+                logging.info("step loop not pinned (CPUs shared with other tenants, or too "
+                             "few); %s=LIST pins it", CPUS_ENV)
             return None
         os.sched_setaffinity(0, cpus)  # may lie outside the parent's set: the child's own
     except (ValueError, OSError) as exc:

@@ -277,17 +277,23 @@ def test_engine_cpus_setting_parses_lists_and_ranges_and_rejects_the_rest():
 
 
 def test_engine_cpus_auto_gives_each_gpu_its_own_cpu_and_leaves_cpu_runs_alone():
-    from backend.engine_worker import loop_cpus
+    from backend.engine_worker import HostCpus, loop_cpus
 
+    machine = HostCpus(online=16, shared=False)
     allowed = set(range(16))
-    assert loop_cpus("", allowed, "cuda") == {15}
-    assert loop_cpus("auto", allowed, "cuda:0") == {15}
-    assert loop_cpus("auto", allowed, "cuda:3") == {12}
-    assert loop_cpus("auto", {2, 5, 9, 11}, "cuda:1") == {9}
-    assert loop_cpus("auto", allowed, "cpu") is None  # nothing to overlap with
-    assert loop_cpus("auto", {0, 1}, "cuda") is None  # too few CPUs to give one away
-    assert loop_cpus("none", allowed, "cuda") is None
-    assert loop_cpus("3-4", allowed, "cpu") == {3, 4}
+    assert loop_cpus("", allowed, "cuda", machine) == {15}
+    assert loop_cpus("auto", allowed, "cuda:0", machine) == {15}
+    assert loop_cpus("auto", allowed, "cuda:3", machine) == {12}
+    assert loop_cpus("auto", allowed, "cpu", machine) is None  # nothing to overlap with
+    assert loop_cpus("auto", {0, 1}, "cuda", HostCpus(2, False)) is None  # too few CPUs
+    assert loop_cpus("none", allowed, "cuda", machine) is None
+    assert loop_cpus("3-4", allowed, "cpu", machine) == {3, 4}
+    # a container that sees only GPU 2 of the machine as cuda:0 counts from that GPU
+    assert loop_cpus("auto", allowed, "cuda:0", HostCpus(16, False, (2,))) == {13}
+    # CPUs shared with other tenants: every pod's cuda:0 would pick the same CPU
+    assert loop_cpus("auto", allowed, "cuda", HostCpus(16, True)) is None
+    # ... unless a cpuset of its own was given: then the device index within it
+    assert loop_cpus("auto", {2, 5, 9, 11}, "cuda:1", HostCpus(16, True, (6, 7))) == {9}
 
 
 def test_engine_cpus_setting_pins_the_loop_and_keeps_later_threads_off_it(monkeypatch):
