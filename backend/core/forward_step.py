@@ -123,6 +123,11 @@ class ForwardStep:
     def _build_decode(self, items: list[ScheduledItem]) -> ForwardBatch | None:
         """The batch of a step in which every request computes one token and samples the
         next (decode): one pass, no per-request slicing. None for any other step."""
+        last = items[-1]
+        if last.num_new != 1 or not last.samples:
+            # the scheduler lists decodes first: a step with a prefill chunk in it (a mixed
+            # step) ends with one, and goes to the general build without a wasted pass
+            return None
         input_ids, rows, positions, locs = [], [], [], []
         placeholders = 0
         for it in items:
