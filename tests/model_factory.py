@@ -1,6 +1,7 @@
 """Tiny HF-format models for tests: real architectures, seeded weights, a trained tokenizer.
 
-    build_tiny_model(out_dir, arch="qwen2" | "llama" | "mistral", **config_overrides) -> Path
+    build_tiny_model(out_dir, arch="qwen2" | "llama" | "mistral" | "qwen3" | "gemma3" | "phi3",
+                     **config_overrides) -> Path
 
 writes config.json, generation_config.json, model.safetensors (float32) and a byte-level BPE
 tokenizer (tokenizer.json, tokenizer_config.json with a ChatML chat template) in well under
@@ -28,7 +29,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
               rms_norm_eps=1e-6, initializer_range=0.2)
@@ -99,22 +101,37 @@ def tiny_tokenizer():
         chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False, model_max_length=1024)
 
 
+# Gemma 3's defaults for the tiny shape: local layers around a global one, a window
+# shorter than most test prompts, a query scale that is not head_dim's.
+GEMMA3 = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention",
+                                             "sliding_attention"],
+              num_hidden_layers=3, query_pre_attn_scalar=24, final_logit_softcapping=None,
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
 def _config(arch: str, vocab_size: int, tok, overrides: dict):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     kwargs = dict(SHAPES, vocab_size=vocab_size, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   tie_word_embeddings=False, dtype="float32")
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         kwargs.update(rope_theta=1_000_000.0, use_sliding_window=False, sliding_window=None)
-    elif arch == "mistral":
+    elif arch in ("mistral", "phi3"):
         kwargs.update(rope_theta=10_000.0, sliding_window=None)
+    elif arch == "gemma3":
+        kwargs.update(GEMMA3, tie_word_embeddings=True)
     else:
         kwargs.update(rope_theta=500_000.0, attention_bias=False)
+    if arch == "phi3":
+        kwargs.pop("head_dim")  # Phi-3 has none: hidden / heads
     kwargs.update(overrides)
     if kwargs.get("rope_scaling") == "llama3":  # shorthand for Llama 3.1-style scaling
         kwargs["rope_scaling"] = dict(LLAMA3_ROPE)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
+           "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config}[arch]
     config = cls(**kwargs)
     config.architectures = [ARCHS[arch]]
     return config

@@ -10,9 +10,8 @@ import time
 import uuid
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
-
 from .config import EngineConfig
+from .loaders import load_tokenizer, open_checkpoint
 from .outputs import ChoiceScore, RequestOutput, StepOutput
 from .model_runner import ModelRunner
 from .radix_cache import NoCache, RadixCache, common_prefix_len
@@ -28,9 +27,11 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        self.hf_config = AutoConfig.from_pretrained(config.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
-        self.runner = ModelRunner(config, self.hf_config)
+        checkpoint = open_checkpoint(config.model_path)  # refuses what it cannot load
+        self.hf_config = checkpoint.config
+        self.tokenizer = (load_tokenizer(config.tokenizer_path) if config.tokenizer_path
+                          else checkpoint.tokenizer())
+        self.runner = ModelRunner(config, self.hf_config, checkpoint.weights)
         self.context_len = self.runner.context_len
         pool = self.runner.kv_pool
         self.cache = RadixCache(pool) if config.enable_radix_cache else NoCache(pool)
