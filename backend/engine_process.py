@@ -273,9 +273,9 @@ class EngineProcess:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from backend.core.loaders import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_dir)
+            self._tokenizer = load_tokenizer(self.config.tokenizer_dir)
         return self._tokenizer
 
     # ---- the loop thread

@@ -56,9 +56,11 @@ def tokenizer_dir(parameters: Mapping[str, str], model_dir: Path) -> str:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer  # as backend.core.engine loads it
+    """The tokenizer the engine loads for this path (a folder's tokenizer files, or the
+    GGUF file's own tokenizer and chat template)."""
+    from backend.core.loaders import load_tokenizer as load  # as backend.core.engine does
 
-    return AutoTokenizer.from_pretrained(path)
+    return load(path)
 
 
 # ---- preprocessing ----------------------------------------------------------------------

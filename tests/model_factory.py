@@ -14,7 +14,7 @@ biases and norm scales are random too so a loader that drops them is caught.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -138,9 +138,8 @@ def _config(arch: str, vocab_size: int, tok, overrides: dict):
 
 
 def _seed_weights(model, seed: int, std: float) -> None:
-    """Every parameter from our own generator in name order (the same scheme as
-    backend/core/default_model.py, kept separate so this helper never depends on the
-    engine package importing cleanly)."""
+    """Every parameter from our own generator in name order: biases and norm scales get
+    noise too, so a loader that drops or swaps them changes the logits visibly."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -192,46 +191,52 @@ def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, legacy_rope: b
     return out
 
 
-# ----------------------------------------------------------- real tokenizers (cached, build/)
-@functools.lru_cache(maxsize=None)
-def default_model_module():
-    """backend/core/default_model.py loaded by path: these helpers must not depend on the
-    engine package (backend/core/__init__.py) importing cleanly."""
-    spec = importlib.util.spec_from_file_location(
-        "_radixlm_default_model", REPO / "backend" / "core" / "default_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# ----------------------------------------------------------- real models and tokenizers (build/)
+def _tools_module(name: str):
+    """tools/<name>.py loaded by path: these helpers must not depend on the engine
+    package (backend/core/__init__.py) importing cleanly."""
+    import sys
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module(f"tools.{name}")
+
+
+def model_assets():
+    return _tools_module("model_assets")
+
+
+def default_model_builder():
+    return _tools_module("build_default_model")
 
 
 @functools.lru_cache(maxsize=None)
 def default_model_dir() -> Path:
     """models/default when it holds a current build, else a build cached under build/
-    (the first one downloads the vocabulary sdist from PyPI; later runs reuse everything)."""
-    dm = default_model_module()
-    if dm.read_marker(REPO / "models" / "default") is not None:
+    (the first one downloads the SmolLM2 wheel from PyPI; later runs reuse everything)."""
+    builder = default_model_builder()
+    if builder.read_marker(REPO / "models" / "default") is not None:
         return REPO / "models" / "default"
-    return dm.build_default_model(dm.default_cache_dir() / "default-model")
+    return builder.build_default_model(model_assets().default_cache_dir() / "default-model")
 
 
 @functools.lru_cache(maxsize=None)
-def qwen2_tokenizer():
-    """The real Qwen2 tokenizer of the default model."""
+def default_tokenizer():
+    """The default model's tokenizer (SmolLM2: byte-level BPE, ChatML)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_dir())
 
 
-@functools.lru_cache(maxsize=None)
-def spm_tokenizer():
-    """Llama 2's SentencePiece tokenizer ("▁" word starts, <0xNN> byte fallback), converted
-    by transformers from the same sdist's ggml-vocab-llama-spm.gguf; saved under build/."""
+def _vocab_tokenizer(name: str):
+    """A real tokenizer converted by transformers from the llama-cpp-python sdist's
+    ggml-vocab-<name>.gguf; saved under build/tokenizers/<name>."""
     from transformers import AutoTokenizer
 
-    dm = default_model_module()
-    saved = dm.default_cache_dir() / "tokenizers" / "llama-spm"
+    assets = model_assets()
+    saved = assets.default_cache_dir() / "tokenizers" / name
     if not (saved / "tokenizer.json").is_file():
-        gguf = dm.fetch_vocab_gguf("llama-spm")
+        gguf = assets.fetch_vocab_gguf(name)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tmp = saved.with_name(saved.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -240,3 +245,14 @@ def spm_tokenizer():
         tmp.replace(saved)  # whole or nothing, for a run that is interrupted
     return AutoTokenizer.from_pretrained(saved)
 
+
+@functools.lru_cache(maxsize=None)
+def qwen2_tokenizer():
+    """Qwen2's byte-level BPE (151,643 regular tokens; CJK, Thai and Vietnamese merges)."""
+    return _vocab_tokenizer("qwen2")
+
+
+@functools.lru_cache(maxsize=None)
+def spm_tokenizer():
+    """Llama 2's SentencePiece tokenizer ("▁" word starts, <0xNN> byte fallback)."""
+    return _vocab_tokenizer("llama-spm")

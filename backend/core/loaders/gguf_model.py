@@ -88,7 +88,7 @@ def hf_config(header: GGUFHeader):
         intermediate_size=int(v("feed_forward_length")), num_attention_heads=heads,
         num_key_value_heads=int(v("attention.head_count_kv", heads)),
         max_position_embeddings=int(v("context_length")),
-        rms_norm_eps=float(v("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=_decimal(v("attention.layer_norm_rms_epsilon", 1e-6)),
         vocab_size=int(header.tensors["token_embd.weight"].shape[0]),
         tie_word_embeddings="output.weight" not in header.tensors,
         head_dim=int(v("attention.key_length", v("rope.dimension_count", hidden // heads))),
@@ -96,7 +96,7 @@ def hf_config(header: GGUFHeader):
         eos_token_id=header.metadata.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=header.metadata.get("tokenizer.ggml.padding_token_id"),
     )
-    rope = {"rope_type": "default", "rope_theta": float(v("rope.freq_base", 10000.0))}
+    rope = {"rope_type": "default", "rope_theta": _decimal(v("rope.freq_base", 10000.0))}
     rope.update(_rope_scaling(header))
     if arch == "gemma3":
         kwargs.update(_gemma3_settings(header, kwargs["head_dim"], rope))
@@ -109,6 +109,12 @@ def hf_config(header: GGUFHeader):
     config = AutoConfig.for_model(model_type, **kwargs)
     config.architectures = [cls]
     return config
+
+
+def _decimal(value: float) -> float:
+    """A float32 from the file as the shortest decimal that rounds to it (1e-05, not
+    9.999999747378752e-06): what the original config said."""
+    return float(str(np.float32(value)))
 
 
 def _rope_scaling(header: GGUFHeader) -> dict:
