@@ -104,8 +104,10 @@ def hf_config(header: GGUFHeader):
         kwargs["rope_parameters"] = rope
     if arch == "qwen2":
         kwargs["use_sliding_window"] = False
-    if arch == "phi3" and "original_max_position_embeddings" in rope:
-        kwargs["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if arch == "phi3":  # one window for every layer; 0 when there is none
+        kwargs["sliding_window"] = int(v("attention.sliding_window", 0)) or None
+        if "original_max_position_embeddings" in rope:
+            kwargs["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     config = AutoConfig.for_model(model_type, **kwargs)
     config.architectures = [cls]
     return config
@@ -125,7 +127,7 @@ def _rope_scaling(header: GGUFHeader) -> dict:
                "short_factor": read_tensor(header, "rope_factors_short.weight").tolist(),
                "original_max_position_embeddings": int(v("rope.scaling.original_context_length"))}
         if v("rope.scaling.attn_factor") is not None:
-            out["attention_factor"] = float(v("rope.scaling.attn_factor"))
+            out["attention_factor"] = _decimal(v("rope.scaling.attn_factor"))
         return out
     kind = v("rope.scaling.type")
     if kind in (None, "none"):
@@ -136,18 +138,23 @@ def _rope_scaling(header: GGUFHeader) -> dict:
 
 
 def _gemma3_settings(header: GGUFHeader, head_dim: int, rope: dict) -> dict:
-    """Gemma 3 settings the file leaves implicit, as llama.cpp assumes them: every sixth
-    layer attends globally, local layers rotate with base 10000 and no scaling, and
-    queries are scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
+    """Gemma 3 settings the file may leave implicit, as llama.cpp assumes them: every
+    sixth layer attends globally (unless ``attention.sliding_window_pattern`` lists the
+    local ones), local layers rotate with base 10000 (``rope.freq_base_swa``) and no
+    scaling, and queries are scaled by head_dim ** -0.5 (hidden / heads for the 62-layer
+    27B): the file has no ``query_pre_attn_scalar``."""
     v = header.arch_value
     layers = int(v("block_count"))
     scalar = head_dim if layers != 62 else int(v("embedding_length")) // int(v("attention.head_count"))
+    window = v("attention.sliding_window")  # absent: no local layers at all
+    local = v("attention.sliding_window_pattern") or [
+        window is not None and (i + 1) % 6 != 0 for i in range(layers)]
     settings = dict(
-        sliding_window=int(v("attention.sliding_window", 4096)),
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                     for i in range(layers)],
+        sliding_window=int(window) if window is not None else None,
+        layer_types=["sliding_attention" if is_local else "full_attention" for is_local in local],
         rope_parameters={"full_attention": rope,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                         "sliding_attention": {"rope_type": "default",
+                                               "rope_theta": _decimal(v("rope.freq_base_swa", 1e4))}},
         query_pre_attn_scalar=scalar,
     )
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
