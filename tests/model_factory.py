@@ -228,16 +228,19 @@ def default_tokenizer():
     return AutoTokenizer.from_pretrained(default_model_dir())
 
 
-def _vocab_tokenizer(name: str):
+def _vocab_tokenizer(name: str, specials: dict | None = None):
     """A real tokenizer converted by transformers from the llama-cpp-python sdist's
-    ggml-vocab-<name>.gguf; saved under build/tokenizers/<name>."""
+    ggml-vocab-<name>.gguf (``specials`` declared on top); saved under
+    build/tokenizers/<name>."""
     from transformers import AutoTokenizer
 
     assets = model_assets()
     saved = assets.default_cache_dir() / "tokenizers" / name
     if not (saved / "tokenizer.json").is_file():
-        gguf = assets.fetch_vocab_gguf(name)
+        gguf = assets.fetch_vocab_gguf(name.removesuffix("-instruct"))
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if specials:
+            tok.add_special_tokens(specials)
         tmp = saved.with_name(saved.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(tmp)
@@ -248,8 +251,10 @@ def _vocab_tokenizer(name: str):
 
 @functools.lru_cache(maxsize=None)
 def qwen2_tokenizer():
-    """Qwen2's byte-level BPE (151,643 regular tokens; CJK, Thai and Vietnamese merges)."""
-    return _vocab_tokenizer("qwen2")
+    """Qwen2's byte-level BPE (151,643 regular tokens; CJK, Thai and Vietnamese merges),
+    with Qwen2-Instruct's special tokens (a turn ends with <|im_end|>)."""
+    return _vocab_tokenizer("qwen2-instruct", {
+        "eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
 
 
 @functools.lru_cache(maxsize=None)
