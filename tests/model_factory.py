@@ -160,13 +160,15 @@ def _legacy_rope(config_path: Path) -> None:
 
 
 def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, legacy_rope: bool = False,
-                     **config_overrides) -> Path:
+                     tokenizer=None, **config_overrides) -> Path:
     """Write a tiny ``arch`` model + tokenizer into ``out_dir``; returns its path.
 
     ``config_overrides`` go to the transformers config (e.g. ``num_hidden_layers=3``,
     ``tie_word_embeddings=True``, ``vocab_size=1280`` for an embedding padded past the
     tokenizer, ``rope_scaling="llama3"`` or a dict).  ``legacy_rope`` writes the rope
     settings in the older hub layout instead of transformers 5's ``rope_parameters``.
+    ``tokenizer``: another tokenizer than the trained tiny one (its vocabulary sizes the
+    embedding).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -175,15 +177,16 @@ def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, legacy_rope: b
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = tiny_tokenizer()
+    tok = tokenizer if tokenizer is not None else tiny_tokenizer()
     config = _config(arch, len(tok), tok, config_overrides)
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).float()
     _seed_weights(model, seed, config.initializer_range)
+    ends = [tok.eos_token_id] + [i for i in [tok.convert_tokens_to_ids("</s>")]
+                                 if i not in (None, tok.unk_token_id, tok.eos_token_id)]
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("</s>")],
-        pad_token_id=tok.pad_token_id)
+        bos_token_id=tok.bos_token_id, eos_token_id=ends, pad_token_id=tok.pad_token_id)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     if legacy_rope:
@@ -255,6 +258,26 @@ def qwen2_tokenizer():
     with Qwen2-Instruct's special tokens (a turn ends with <|im_end|>)."""
     return _vocab_tokenizer("qwen2-instruct", {
         "eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+
+
+@functools.lru_cache(maxsize=None)
+def random_qwen2_dir() -> Path:
+    """A stand-in for a real model where only the tokenizer matters (structured decoding):
+    4 Qwen2 layers (hidden 256) of seeded random weights with the real Qwen2 tokenizer
+    (151,936 ids) and a ChatML template; built once under build/."""
+    out = model_assets().default_cache_dir() / "random-qwen2-1"
+    if not (out / "model.safetensors").is_file():
+        tok = qwen2_tokenizer()
+        tok.chat_template = tok.chat_template or CHAT_TEMPLATE
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_model(tmp, "qwen2", seed=20240531, tokenizer=tok, hidden_size=256,
+                         intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                         initializer_range=0.15, tie_word_embeddings=True)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -54,7 +54,7 @@ VARIANTS = {
 }
 SETTINGS = {
     "cache-chunk-5": dict(enable_radix_cache=True, max_prefill_tokens=5),
-    # room for about two requests at a time (of 12): decodes outgrow it and retract
+    # room for about two requests at a time (of 8): decodes outgrow it and retract
     "small-pool": dict(enable_radix_cache=True, max_prefill_tokens=16),
 }
 
@@ -70,7 +70,7 @@ def _reference(root: Path, name: str):
     if name not in _REFERENCE:
         arch, overrides, _, (shortest, longest) = VARIANTS[name]
         path = build_tiny_model(root / name, arch=arch, **overrides)
-        prompts = random_prompts(12, 1200, seed=len(name), min_len=shortest, max_len=longest)
+        prompts = random_prompts(8, 1200, seed=len(name), min_len=shortest, max_len=longest)
         prompts[3] = list(prompts[1])  # whole-prompt and partial radix-cache hits
         prompts[7] = prompts[2][:shortest + 4] + prompts[7][:longest - shortest - 4]
         _REFERENCE[name] = (path, prompts, hf_greedy(path, prompts, NEW_TOKENS))

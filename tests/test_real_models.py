@@ -19,17 +19,17 @@ try:
 except ImportError:  # tests/ importable as a package
     from tests import model_factory as mf
 
-NEW_TOKENS = 16
+NEW_TOKENS = 12
 RAW = ["The capital of France is", "La capitale de l'Italie est",
-       "Die Hauptstadt von Deutschland ist", "中国的首都是", "def fibonacci(n):"]
+       "Die Hauptstadt von Deutschland ist", "中国的首都是"]
 CHATS = ["What is the capital of France?", "Xin chào! Bạn là ai?",
-         "¿Cuál es la capital de España?", "Name three colors."]
+         "¿Cuál es la capital de España?", "def fibonacci(n): # complete this"]
 SETTINGS = {
     "cache-on": dict(enable_radix_cache=True),
-    "cache-off": dict(enable_radix_cache=False),
-    # 9 prompts of 5-40 tokens + 16 new: 80 slots hold two or three at a time
-    "chunk-7-small-pool": dict(enable_radix_cache=True, max_prefill_tokens=7,
-                               max_total_tokens=80),
+    # 8 prompts of 5-40 tokens + 12 new: 75 slots hold two or three at a time, so
+    # decodes retract; no radix cache, prefill in chunks of 7
+    "no-cache-chunk-7-small-pool": dict(enable_radix_cache=False, max_prefill_tokens=7,
+                                        max_total_tokens=75),
 }
 
 
@@ -70,8 +70,8 @@ def test_smollm2_greedy_matches_transformers(smollm2, setting):
     stats = engine.stats()
     if setting == "cache-on":  # the chats share SmolLM2's default system prompt
         assert stats["cache_hit_tokens"] >= 3 * 20
-    if setting.endswith("small-pool"):
-        assert stats["num_retractions"] > 0
+    else:
+        assert stats["num_retractions"] > 0 and stats["cache_hit_tokens"] == 0
     engine.check_integrity()
 
 
@@ -91,9 +91,15 @@ def test_smollm2_answers_make_sense(smollm2):
 @pytest.mark.slow
 def test_gemma3_270m_gguf_greedy_matches_transformers():
     """Gemma 3 270M (base model, Q4_K_M) served straight from its GGUF file against
-    transformers' own GGUF loader: local layers with a 512-token window (one prompt is
-    longer than that, prefilled in chunks across it), head_dim 256, one KV head."""
+    transformers' Gemma 3 on the same dequantized weights: local layers with a 512-token
+    window (one prompt is longer than that, prefilled in chunks across it), head_dim 256,
+    one KV head. (That the dequantized weights are transformers' own, tensor for tensor:
+    ``tools/check_gguf_vs_transformers.py``; the same holds for SmolLM2 in
+    test_default_model.py, and for llama.cpp-made files of every architecture in
+    test_gguf_loading.py.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backend.core.loaders import open_checkpoint
 
     gguf, tokenizer_dir = mf.gemma3_270m()
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -103,8 +109,11 @@ def test_gemma3_270m_gguf_greedy_matches_transformers():
                                        "Le chat est assis sur", "def quicksort(items):",
                                        story + " On the last day the river")]
     assert len(prompts[-1]) > 600  # past the sliding window
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32).eval()
+    checkpoint = open_checkpoint(gguf)
+    model = AutoModelForCausalLM.from_config(checkpoint.config, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(dict(checkpoint.weights()), strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied
+    model.tie_weights()
     expected = hf_greedy(model, prompts, 8)
     del model
     engine = make_engine(gguf, tokenizer_path=str(tokenizer_dir), max_prefill_tokens=256)
