@@ -10,6 +10,7 @@ import time
 import uuid
 
 import torch
+
 from .config import EngineConfig
 from .loaders import load_tokenizer, open_checkpoint
 from .outputs import ChoiceScore, RequestOutput, StepOutput
