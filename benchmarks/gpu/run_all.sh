@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite, by phase:  bash benchmarks/gpu/run_all.sh PHASE [PHASE ...]
 #
-#   check      environment (imports, server pieces), scripts/check_kernels_gpu.py, and the
+#   check      environment (imports, server pieces), tools/check_kernels_gpu.py, and the
 #              engine smoke test (smoke.py: CUDA-graph tokens == eager tokens on llama-1b)
 #   engine     bench_engine.py, default configuration: llama-1b, llama-8b, then the default
 #              model (offline + prefix)
@@ -138,8 +138,8 @@ print('  server python', sys.version.split()[0], 'numpy', numpy.__version__, 'st
       | grep -E "not found|libpython" || true
   fi
   if [ "$QUICK" != 1 ]; then
-    step kernels "$(cap "$(share 3 3)" 150)" "$PY" scripts/check_kernels_gpu.py
-    if (( LAST_RC == 0 )); then note kernels ok "scripts/check_kernels_gpu.py passed (tables in log.txt)"; fi
+    step kernels "$(cap "$(share 3 3)" 150)" "$PY" tools/check_kernels_gpu.py
+    if (( LAST_RC == 0 )); then note kernels ok "tools/check_kernels_gpu.py passed (tables in log.txt)"; fi
   fi
   step smoke "$(cap "$(share 3 0)" 150)" "$PY" benchmarks/gpu/smoke.py --model "$S/$SMOKE_MODEL" "${DEV[0]}" "${DEV[1]}" "${R[@]}"
 }

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, overlap scheduling on and off, on a CUDA GPU.
 
-    python scripts/profile_decode.py --model /tmp/shapes/llama-8b [--batch 1 32] [--out DIR]
+    python tools/profile_decode.py --model /tmp/shapes/llama-8b [--batch 1 32] [--out DIR]
 
 For each setting (overlap off, overlap on) and batch size: steady greedy decode, then
   * wall ms per step over 100 steps;

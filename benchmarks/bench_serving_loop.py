@@ -1,6 +1,6 @@
 """How fast the serving layer routes streamed tokens, without Triton or a GPU.
 
-    python scripts/bench_serving_loop.py [--batch 32 128] [--step-ms 0 1.3 2.3] [--tokens 128]
+    python benchmarks/bench_serving_loop.py [--batch 32 128] [--step-ms 0 1.3 2.3] [--tokens 128]
 
 ``backend.serving.EngineLoop`` (routing, the outbox, the sender threads) in front of a
 stand-in engine that, like the engine process, steps on its own clock: every ``--step-ms``

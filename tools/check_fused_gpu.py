@@ -1,7 +1,7 @@
 """Check the fused RMSNorm / rotary / silu-and-mul kernels against the torch modules on a
 CUDA GPU, and time them.
 
-    python scripts/check_fused_gpu.py [--dtype bf16]
+    python tools/check_fused_gpu.py [--dtype bf16]
 
 Shapes are Llama-3.2-1B's (hidden 2048, 32/8 heads, head_dim 64, intermediate 8192) and
 Llama-3.1-8B's (4096, 32/8, 128, 14336), plus hidden 16384 for the chunked RMSNorm path.

@@ -2,7 +2,7 @@
 modules on a CUDA GPU, and time them against what a decode step ran before: cuBLAS
 (F.linear) after the separate fused norm / silu-and-mul kernel.
 
-    python scripts/check_gemv_gpu.py [--out DIR] [--sweep]
+    python tools/check_gemv_gpu.py [--out DIR] [--sweep]
 
 Shapes: the projections of Llama-3.2-1B and Llama-3.1-8B, at one row (batch-1 decode).
 Correctness (bf16): |kernel - reference| within 2 bf16 ulps of the reference's magnitude

@@ -1,6 +1,6 @@
 """Check the Triton attention kernels against TorchAttention on a CUDA GPU, and time them.
 
-    python scripts/check_kernels_gpu.py [--batch 64] [--max-ctx 4096]
+    python tools/check_kernels_gpu.py [--batch 64] [--max-ctx 4096]
 
 Default layout is Llama-3.1-8B's (32 q heads, 8 kv heads, head_dim 128) in bf16, one
 layer, KV slots scattered over a shuffled pool. Prints a correctness table (max abs error

@@ -1,7 +1,7 @@
 """Host time per kernel launch on this machine: what a step that is not a CUDA graph pays
 per op, before the device does anything.
 
-    python scripts/launch_overhead.py [--device cuda] [--n 2000] [--out DIR]
+    python tools/launch_overhead.py [--device cuda] [--n 2000] [--out DIR]
 
 Times back-to-back launches (no synchronisation inside the timed loop) of:
   * a trivial @triton.jit kernel through ``kernel[grid](...)``;

@@ -1,6 +1,6 @@
 """Where the time to first token goes, in-process, on a CUDA GPU.
 
-    python scripts/profile_ttft.py --model /tmp/shapes/llama-1b [--batch 1 32] \
+    python tools/profile_ttft.py --model /tmp/shapes/llama-1b [--batch 1 32] \
         [--prompt-len 32 512] [--out DIR]
 
 For each (batch, prompt length): submit that many fresh prompts (random tokens: no cache
