@@ -9,14 +9,14 @@
 #   triton     bench_triton.py: the engine behind tritonserver over gRPC streaming
 #   instances  the same with BENCH_INSTANCES (default "2 4") Triton instances of the model
 #              sharing one engine process
-#   report     report.py: docs/benchmarks/{README.md,results.json,*.png} from
-#              benchmarks/gpu/results/*.jsonl (run it here, not on the GPU machine)
+#   report     report.py: docs/benchmarks/{README.md,*.png} from the published runs in
+#              docs/benchmarks/runs/ (run it here, after publish.py; see README.md)
 #
 # Every step is its own process under `timeout`; a failing step is logged and the next one
 # runs. The phases of one invocation share BENCH_DEADLINE_S (default 480 s): each step gets
 # a share of what is left, passed to the script as --budget-s; the script records the items
-# that do not fit as "skipped". Items already measured (status ok) in
-# benchmarks/gpu/results/*.jsonl or in this run's results are skipped (resume), unless
+# that do not fit as "skipped". Items already measured (status ok) in the raw results
+# benchmarks/gpu/results/*.jsonl (git-ignored) or in this run's are skipped (resume), unless
 # BENCH_FRESH=1 (then only this run's results count). BENCH_ONLY=REGEX runs only the steps
 # whose name ("engine llama-1b", "hf llama-8b", "overlap-off llama-1b", ...) matches;
 # BENCH_ENGINE_MODES / BENCH_TRITON_MODES narrow the engine and triton steps' --modes.

@@ -1,0 +1,101 @@
+"""The benchmark report: raw results are published as small per-run files, and the page
+docs/benchmarks/README.md is what report.py makes from the published runs."""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "gpu"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """(publish, report) modules of benchmarks/gpu."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("publish"), importlib.import_module("report")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def line(ts, system, config, workload, tok_per_s, status="ok", **extra):
+    key = f"{system}/llama-1b/{config}/offline/{workload}/"
+    return {"key": key, "ts": ts, "run_id": "r", "system": system, "model": "llama-1b",
+            "config": config, "flags": {}, "mode": "offline", "workload": workload,
+            "rate": None, "status": status, "error": None if status == "ok" else "boom\nmore",
+            "metrics": {"output_tok_per_s": tok_per_s, "duration_s": 1.0,
+                        "ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0, "mean": 1.5}},
+            "host": "vm", "git": "abc1234", "phase": None, "quick": False, **extra}
+
+
+def write_raw(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in lines) + '{"torn')
+    return path
+
+
+def test_publish_keeps_the_latest_ok_line_of_each_item_and_only_what_the_report_shows(
+        bench, tmp_path):
+    publish, _ = bench
+    raw = write_raw(tmp_path / "raw.jsonl", [
+        line("2026-12-02T05:26:08", "engine", "default", "b1_in32_out128", 900.0),
+        line("2026-12-02T05:27:00", "engine", "default", "b1_in32_out128", 1000.0),
+        line("2026-12-02T05:28:00", "engine", "default", "b1_in32_out128", None, status="error"),
+        line("2026-12-02T05:29:00", "engine", "default", "b32_in32_out128", None, status="error"),
+        line("2026-12-02T05:30:00", "engine", "default", "b128_in32_out128", 5.0, quick=True),
+    ])
+    path = publish.publish([str(raw)], runs_dir=tmp_path / "runs")
+    assert path == tmp_path / "runs" / "2026-12-02-0526.json"  # date and time of the first line
+    name, results = publish.load_run(path)
+    assert name == "2026-12-02-0526"
+    by_key = {r["key"]: r for r in results}
+    assert set(by_key) == {"engine/llama-1b/default/offline/b1_in32_out128/",
+                           "engine/llama-1b/default/offline/b32_in32_out128/"}  # no quick line
+    kept = by_key["engine/llama-1b/default/offline/b1_in32_out128/"]
+    assert kept["metrics"] == {"output_tok_per_s": 1000.0,
+                               "ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0}}
+    assert "error" not in kept and "host" not in kept and "flags" not in kept
+    failed = by_key["engine/llama-1b/default/offline/b32_in32_out128/"]
+    assert (failed["status"], failed["error"]) == ("error", "boom")
+
+
+def test_a_ratio_pairs_two_results_of_one_run_and_the_tables_show_the_latest(bench, tmp_path):
+    publish, report = bench
+    runs = tmp_path / "runs"
+    older = write_raw(tmp_path / "a.jsonl", [
+        line("2026-12-01T08:00:00", "engine", "default", "b128_in32_out128", 60000.0),
+        line("2026-12-01T08:05:00", "triton", "default", "b128_in32_out128", 45000.0)])
+    newer = write_raw(tmp_path / "b.jsonl", [
+        line("2026-12-02T09:00:00", "engine", "default", "b128_in32_out128", 64000.0)])
+    publish.publish([str(older)], runs_dir=runs)
+    publish.publish([str(newer)], runs_dir=runs)
+    out = tmp_path / "page"
+    assert report.main(["--results", str(runs / "*.json"), "--out-dir", str(out),
+                        "--no-plots"]) == 0
+    page = (out / "README.md").read_text()
+    # 45,000 / 60,000 from the older run, not against the newer run's 64,000
+    assert ("| Triton gRPC, 1 instance, b128_in32_out128, llama-1b: within 10% of in-process "
+            "| 75% (same run: 2026-12-01-0800) | **no** |") in page
+    (row,) = [r for r in page.splitlines() if r.startswith("| batch 128, 32/128 |")]
+    assert "**64,000**" in row and "45,000" in row
+    assert "runs: 2026-12-01-0800, 2026-12-02-0900" in page
+
+
+def without_plots(page: str) -> list[str]:
+    return [ln for ln in page.splitlines() if ln and not ln.startswith(("- plots:", "!["))]
+
+
+def test_the_committed_page_is_what_the_published_runs_make(bench, tmp_path):
+    """Every table (the plots take seconds to draw: their links are left out here)."""
+    _, report = bench
+    assert report.main(["--out-dir", str(tmp_path), "--no-plots"]) == 0
+    made = without_plots((tmp_path / "README.md").read_text())
+    committed = without_plots((ROOT / "docs" / "benchmarks" / "README.md").read_text())
+    assert made == committed, "run benchmarks/gpu/report.py and commit docs/benchmarks/"
+    for png in ("offline_throughput.png", "throughput_vs_rate.png", "hbm_fraction.png"):
+        assert f"![{png}]({png})" in (ROOT / "docs" / "benchmarks" / "README.md").read_text()
+        assert (ROOT / "docs" / "benchmarks" / png).is_file()
