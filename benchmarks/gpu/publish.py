@@ -3,7 +3,7 @@
     python benchmarks/gpu/publish.py benchmarks/gpu/results/RUN.jsonl [--name NAME]
 
 The suite appends every measurement with all its detail to raw JSON-lines files (git-ignored,
-``benchmarks/gpu/results/``). Publishing one run (one device session: one machine
+``benchmarks/gpu/results/``). Publishing one run (one session of the suite on one machine
 instance, whose host speed the host-bound rows depend on) keeps the latest line of each
 item, and of its metrics only what the report shows, in
 ``docs/benchmarks/runs/<NAME>.json``; ``report.py`` reads those files. NAME defaults to the

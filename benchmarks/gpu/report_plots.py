@@ -9,6 +9,10 @@ import common as C  # noqa: E402
 from report_db import (ANCHORS, MODEL_ORDER, PREFIX_WORKLOADS, ROW_ORDER,  # noqa: E402
                        SYSTEM_STYLE, _parse_row, online_systems)
 
+# every plot plots() can draw, in its order
+PLOT_FILES = ("offline_throughput.png", "throughput_vs_rate.png", "ttft_vs_rate.png",
+              "tpot_vs_rate.png", "cache_hit_rate.png", "hbm_fraction.png")
+
 
 def plots(db, out_dir):
     try:
