@@ -86,7 +86,7 @@ def header(recs, lines, figs):
             "(the 1B shape at batch >= 32) move by tens of percent between instances: the "
             "targets table takes both sides of a ratio from one run where one has both, and "
             "says so; the tables show the latest result of each item",
-            "- plots: " + ", ".join(f"[{f}]({f})" for f in figs), ""]
+            *(["- plots: " + ", ".join(f"[{f}]({f})" for f in figs)] if figs else []), ""]
     if any(r.get("quick") for r in recs):
         head.insert(2, "**Includes CPU dry-run (--quick) lines: not performance numbers.**\n")
     return "\n".join(head) + "\n"
