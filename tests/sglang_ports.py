@@ -31,18 +31,21 @@ STR_SO_FAR = r'(?:"[\w\d\s]*"?)?'
 
 class CappedBackend(BaseBackend):
     """``inner`` with every gen's ``max_tokens`` capped at ``max_tokens``; records the
-    budgets the programs asked for."""
+    budgets the programs asked for and the results (unnamed gens have no meta info)."""
 
     def __init__(self, inner: BaseBackend, max_tokens: int = MAX_TOKENS):
         self.inner = inner
         self.max_tokens = max_tokens
         self.asked: list[int | None] = []
+        self.results: list[tuple[dict[str, Any], GenerateResult]] = []
 
     def generate(self, prompt: str, params: dict[str, Any],
                  on_text: OnText | None = None) -> GenerateResult:
         self.asked.append(params.get("max_tokens"))
         capped = {**params, "max_tokens": min(params.get("max_tokens", 128), self.max_tokens)}
-        return self.inner.generate(prompt, capped, on_text)
+        result = self.inner.generate(prompt, capped, on_text)
+        self.results.append((params, result))
+        return result
 
     def score(self, prompt: str, choices: Sequence[str]) -> ScoreResult:
         return self.inner.score(prompt, choices)
