@@ -156,6 +156,9 @@ def test_a_bad_regex_raises_a_program_error_naming_the_variable(backend):
     assert info.value.var == "bad_pattern"
     assert "bad_pattern" in str(info.value) and info.value.message
     assert isinstance(info.value.__cause__, radixlm.ServerError)
+    # and the gRPC request that failed, by the id it was sent with
+    assert info.value.request_id == info.value.__cause__.request_id
+    assert f"(request {info.value.request_id})" in str(info.value)
 
     @radixlm.function
     def fine(s):

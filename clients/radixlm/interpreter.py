@@ -91,7 +91,9 @@ class StreamExecutor:
         with self._cond:
             if self.error is None:
                 message = exc.message if isinstance(exc, (ServerError, ProgramError)) else str(exc)
-                self.error = exc if isinstance(exc, ProgramError) else ProgramError(var, message)
+                request_id = exc.request_id if isinstance(exc, ServerError) else None
+                self.error = exc if isinstance(exc, ProgramError) else ProgramError(
+                    var, message, request_id)
                 if self.error is not exc:
                     self.error.__cause__ = exc
             self._cond.notify_all()
@@ -120,6 +122,11 @@ class StreamExecutor:
         self.get_var(name)
         with self._cond:
             return self.meta.get(name)
+
+    def meta_so_far(self, name: str) -> dict[str, Any]:
+        """The meta info of ``name`` if it is complete, else {} (does not wait)."""
+        with self._cond:
+            return dict(self.meta.get(name) or {})
 
     def sync(self) -> None:
         with self._cond:

@@ -3,7 +3,9 @@ that build them are in api.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+
+from .choices import ChoicesSamplingMethod
 
 # Regular expressions of the typed generations (``gen(dtype=int)``, ``gen_int``, ...); the
 # values SGLang programs expect under these names. A number may end in spaces or newlines;
@@ -59,7 +61,7 @@ class GenParams:
 
     def over(self, defaults: "GenParams") -> "GenParams":
         """These values, falling back to ``defaults`` where unset."""
-        merged = {k: v for k, v in vars(defaults).items()}
+        merged = dict(vars(defaults))
         merged.update({k: v for k, v in vars(self).items() if v is not None})
         return GenParams(**merged)
 
@@ -82,8 +84,7 @@ class Gen(Expr):
 class Select(Expr):
     name: str | None
     choices: tuple[str, ...]
-    # A ``radixlm.choices`` method: takes the scores, returns the decision (see choices.py).
-    method: Callable[..., Any] | None = None
+    method: ChoicesSamplingMethod | None = None  # None: token_length_normalized
 
     def produces(self) -> tuple[str, ...]:
         return (self.name,) if self.name else ()

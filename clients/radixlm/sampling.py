@@ -78,19 +78,23 @@ def to_wire(p: GenParams) -> WireGen:
                    bool(p.return_text_in_logprobs) and return_logprob, int(p.n or 1))
 
 
+# run()/run_batch() keywords that set defaults for every gen (SGLang's, and their wire names)
+_RUN_KEYWORDS = {
+    **{name: name for name in (
+        "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "seed",
+        "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")},
+    "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+}
+
+
 def run_defaults(kwargs: dict[str, Any], func_params: set[str]) -> GenParams:
     """Pop the sampling keywords of ``run``/``run_batch`` (those the program function does
     not take itself) into the run's default ``GenParams``."""
-    fields = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k",
-              "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-              "ignore_eos", "seed", "return_logprob", "logprob_start_len",
-              "top_logprobs_num", "return_text_in_logprobs"}
-    aliases = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
     found: dict[str, Any] = {}
     for key in list(kwargs):
-        name = aliases.get(key, key)
-        if (name in fields or key in aliases) and key not in func_params:
-            found[name] = kwargs.pop(key)
+        if key in _RUN_KEYWORDS and key not in func_params:
+            found[_RUN_KEYWORDS[key]] = kwargs.pop(key)
     for key in ("stop", "stop_token_ids"):
         value = found.get(key)
         if isinstance(value, str):

@@ -81,9 +81,7 @@ class ProgramState:
             if piece is done:
                 return
             if return_meta_data:
-                with self._executor._cond:
-                    meta = self._executor.meta.get(var_name) if var_name else None
-                yield piece, dict(meta or {})
+                yield piece, self._executor.meta_so_far(var_name) if var_name else {}
             else:
                 yield piece
 
@@ -178,7 +176,7 @@ class ForkGroup(Sequence[ProgramState]):
             if len(expr) != len(self.states):
                 raise ValueError(f"{len(expr)} expressions for {len(self.states)} branches")
             parts = list(expr)
-        elif callable(expr) and not isinstance(expr, Expr):
+        elif callable(expr):
             parts = [expr(i) for i in range(len(self.states))]
         else:
             parts = [expr] * len(self.states)
