@@ -96,6 +96,15 @@ def test_images_videos_and_in_process_servers_are_refused_with_what_to_do_instea
         sgl.video("clip.mp4", 8)
     with pytest.raises(RuntimeError, match="RuntimeEndpoint"):
         sgl.Runtime(model_path="meta-llama/Llama-2-7b-chat-hf")
+    with pytest.raises(NotImplementedError, match="RuntimeEndpoint"):
+        sgl.OpenAI("gpt-3.5-turbo-instruct")
+
+    @sgl.function
+    def prog(s):
+        s += "x"
+
+    with pytest.raises(NotImplementedError, match="radix cache"):
+        prog.cache()
     with pytest.raises(NotImplementedError, match="cache"):
         sgl.flush_cache(FakeBackend())
     assert sgl.flush_cache() is False  # no backend at all

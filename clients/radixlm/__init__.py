@@ -4,7 +4,7 @@ SGLang programs move over with ``import radixlm as sgl`` and a backend that name
 server: ``sgl.set_default_backend(sgl.RuntimeEndpoint("http://localhost:8000"))``.
 """
 from .aio import AsyncTritonClient
-from .api import (Engine, Runtime, assistant, assistant_begin, assistant_end, flush_cache,
+from .api import (Anthropic, Engine, LiteLLM, OpenAI, Runtime, VertexAI, assistant, assistant_begin, assistant_end, flush_cache,
                   gen, gen_int, gen_string, get_server_info, image, select, separate_reasoning,
                   system, system_begin, system_end, user, user_begin, user_end, video)
 from .backend import BaseBackend, Triton
@@ -22,7 +22,7 @@ from .results import Chunk, ChoiceScore, GenerateResult, ScoreResult
 from .state import ForkGroup, ProgramState
 
 __all__ = [
-    "AsyncTritonClient", "BaseBackend", "ChatTemplate", "ChoiceScore", "ChoicesDecision",
+    "Anthropic", "LiteLLM", "OpenAI", "VertexAI", "AsyncTritonClient", "BaseBackend", "ChatTemplate", "ChoiceScore", "ChoicesDecision",
     "ChoicesSamplingMethod", "Chunk", "Engine", "ForkGroup", "Function", "GenerateResult",
     "HttpTritonClient", "ProgramError", "ProgramState", "REGEX_BOOL", "REGEX_FLOAT",
     "REGEX_INT", "REGEX_STR", "Runtime", "RuntimeEndpoint", "ScoreResult", "ServerError",

@@ -163,8 +163,22 @@ def Engine(*args, **kwargs):  # noqa: N802 (SGLang's name)
     return Runtime(*args, **kwargs)
 
 
+def _api_model(name: str):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(f"{name}: API-model backends are not part of radixlm; "
+                                  "name the server with radixlm.RuntimeEndpoint(url)")
+    refuse.__name__ = name
+    return refuse
+
+
+OpenAI = _api_model("OpenAI")
+Anthropic = _api_model("Anthropic")
+VertexAI = _api_model("VertexAI")
+LiteLLM = _api_model("LiteLLM")
+
+
 __all__ = [
-    "Engine", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end",
+    "Anthropic", "Engine", "LiteLLM", "OpenAI", "Runtime", "VertexAI", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end",
     "flush_cache", "function", "gen", "gen_int", "gen_string", "get_default_backend",
     "get_server_info", "image", "select", "separate_reasoning", "set_default_backend",
     "system", "system_begin", "system_end", "user", "user_begin", "user_end", "video",

@@ -106,6 +106,17 @@ class Function:
             return self.func(*args, **{**self.bind_arguments, **kwargs})
         return self.run(*args, **kwargs)
 
+    def trace(self, *args, **kwargs):
+        raise NotImplementedError("tracing programs is not supported; run them")
+
+    def compile(self, *args, **kwargs):
+        raise NotImplementedError("compiling programs is not supported; run them")
+
+    def cache(self, *args, **kwargs):
+        raise NotImplementedError("pre-caching a program's prefix by tracing is not "
+                                  "supported; the server's radix cache keeps prefixes as "
+                                  "programs run")
+
     def _as_kwargs(self, arguments: dict[str, Any] | Sequence[Any]) -> dict[str, Any]:
         if isinstance(arguments, dict):
             return arguments
