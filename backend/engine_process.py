@@ -55,7 +55,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from dataclasses import fields
+
 from backend.core.outputs import StepOutput
+
+_FIELDS = tuple(f.name for f in fields(StepOutput))
 
 log = logging.getLogger("radixlm.engine_process")
 
@@ -353,7 +357,7 @@ class EngineProcess:
                 kind = msg[0]
                 with self._cv:
                     if kind == "out":
-                        self._events.append(([StepOutput(*t) for t in msg[1]], msg[3]))
+                        self._events.append(([StepOutput(**dict(zip(_FIELDS, t))) for t in msg[1]], msg[3]))
                         self._busy = msg[2]
                         if msg[4]:
                             self.received_at.update(msg[4])

@@ -171,7 +171,7 @@ class Worker:
         return found or None
 
     def refuse(self, peer: _Peer, rid: str, message: str) -> None:
-        out = StepOutput(rid, 0, [], "", True, "abort", 0, 0, 0, error=message)
+        out = StepOutput.refusal(rid, message)
         peer.send(("out", [as_tuple(out)], self.engine.has_work(), time.time(),
                    self.firsts([out])))
 

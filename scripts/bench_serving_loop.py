@@ -74,8 +74,10 @@ class StandInEngine:
                 for rid, made in list(self.made.items()):
                     made += 1
                     done = made >= self.tokens
-                    outs.append(StepOutput(rid, 0, [made], "", done, "length" if done else None,
-                                           32, 0, made, context_token_ids=[made - 1]))
+                    outs.append(StepOutput(request_id=rid, new_token_ids=[made], finished=done,
+                                           finish_reason="length" if done else None,
+                                           num_prompt_tokens=32, num_output_tokens=made,
+                                           context_token_ids=[made - 1]))
                     if done:
                         del self.made[rid]
                     else:

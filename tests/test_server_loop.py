@@ -65,22 +65,26 @@ class ScriptedEngine:
                 if r["score"] is not None:
                     scores = [ChoiceScore(c, -1.0 * (i + 1), 2, [-0.5, -0.5 * (i + 1)])
                               for i, c in enumerate(r["score"])]
-                    outs.append(StepOutput(rid, 0, [], "", True, "stop", 3, 0, 0,
-                                           choice_scores=scores))
+                    outs.append(StepOutput(request_id=rid, finished=True, finish_reason="stop",
+                                           num_prompt_tokens=3, choice_scores=scores))
                     del self.reqs[rid]
                     continue
                 for i, made in enumerate(r["made"]):
                     if made < 0:
                         continue
                     if r["abort"]:
-                        outs.append(StepOutput(rid, i, [], "", True, "abort", 3, 0, made))
+                        outs.append(StepOutput(request_id=rid, index=i, finished=True,
+                                               finish_reason="abort", num_prompt_tokens=3,
+                                               num_output_tokens=made))
                         r["made"][i] = -1
                         continue
                     made += 1
                     done = made >= r["params"].max_new_tokens
-                    outs.append(StepOutput(rid, i, [made], f"{made} ", done,
-                                           "length" if done else None, 3, 1, made,
-                                           context_token_ids=[made - 1]))
+                    outs.append(StepOutput(request_id=rid, index=i, new_token_ids=[made],
+                                           new_text=f"{made} ", finished=done,
+                                           finish_reason="length" if done else None,
+                                           num_prompt_tokens=3, num_cached_tokens=1,
+                                           num_output_tokens=made, context_token_ids=[made - 1]))
                     r["made"][i] = -1 if done else made
                 if all(m < 0 for m in r["made"]):
                     del self.reqs[rid]
