@@ -32,7 +32,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import wire
-from backend.core import Engine
 from backend.engine_process import EngineProcess, open_shared
 from backend.metrics import EngineMetrics
 from backend.serving import EngineLoop
@@ -41,10 +40,6 @@ from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 ON_ENGINE_FAILURE = "RADIXLM_ON_ENGINE_FAILURE"  # "shutdown" (default) or "serve_errors"
-# "1": a request with parameter debug="fail_engine_loop" kills the engine loop (tests of
-# the failure path; never set it in production).
-FAULT_INJECTION = "RADIXLM_FAULT_INJECTION"
-FAIL_ENGINE_LOOP = "fail_engine_loop"
 
 
 class TritonResponseSink:
@@ -263,26 +258,8 @@ class TritonPythonModel:
         sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
         instances = wire.instances_on_device(model_config, args.get("model_instance_kind", ""),
                                              int(args.get("model_instance_device_id") or 0))
-        if wire.engine_process_wanted(parameters, config.device, instances):
-            # its own process: the step loop never waits for this interpreter's lock
-            if instances > 1:
-                # every instance of this model on this device fronts one engine (one KV
-                # pool, one radix cache): see backend/engine_process.py
-                key = f"{os.getppid()}-{args['model_name']}-{args.get('model_version', '')}"
-                self.logger.log_info(f"radixlm: building or joining the engine of {key}: {config}")
-                self.engine = open_shared(config, key)
-            else:
-                self.logger.log_info(f"radixlm: building the engine: {config}")
-                self.engine = EngineProcess(config)
-            if self.engine.started_here:
-                self.logger.log_info(f"radixlm: the engine runs in process {self.engine.pid} "
-                                     f"({self.engine.python})")
-            else:
-                self.logger.log_info(f"radixlm: attached to the engine process {self.engine.pid}"
-                                     f" ({instances} instances share it)")
-        else:
-            self.logger.log_info(f"radixlm: building the engine: {config}")
-            self.engine = Engine(config)
+        key = f"{os.getppid()}-{args['model_name']}-{args.get('model_version', '')}"
+        self.engine, reports_gauges = self._open_engine(config, parameters, instances, key)
         self.model_name = args["model_name"]
         self.stop_signal = watch_stop_signals()
         self.server_ready_url = parent_ready_url()
@@ -297,10 +274,8 @@ class TritonPythonModel:
         self.metrics = None
         if self.metric_factory is not None:
             self.metrics = EngineMetrics(self.metric_factory, args["model_name"],
-                                         args["model_instance_name"],
-                                         gauges=getattr(self.engine, "started_here", True))
+                                         args["model_instance_name"], gauges=reports_gauges)
             self.metrics.start()
-        self.fault_injection = os.environ.get(FAULT_INJECTION) == "1"
         self.loop = EngineLoop(self.engine, on_error=self.logger.log_error,
                                sender_threads=int(os.environ.get("RADIXLM_SENDER_THREADS", "2")),
                                on_info=self.logger.log_info,
@@ -313,6 +288,31 @@ class TritonPythonModel:
         gc.freeze()
         self.loop.start()
         self.logger.log_info("radixlm: engine ready")
+
+    def _open_engine(self, config, parameters: dict, instances: int, key: str):
+        """The engine handle for this instance, and whether this instance reports the
+        engine-wide gauges. Which run mode runs when: docs/architecture.md."""
+        if not wire.engine_process_wanted(parameters, config.device, instances):
+            from backend.core import Engine  # in this process: the CPU default
+
+            self.logger.log_info(f"radixlm: building the engine: {config}")
+            return Engine(config), True
+        # its own process: the step loop never waits for this interpreter's lock
+        if instances > 1:
+            # every instance of this model on this device fronts one engine (one KV pool,
+            # one radix cache): see backend/engine_process.py
+            self.logger.log_info(f"radixlm: building or joining the engine of {key}: {config}")
+            engine = open_shared(config, key)
+        else:
+            self.logger.log_info(f"radixlm: building the engine: {config}")
+            engine = EngineProcess(config)
+        if engine.started_here:
+            self.logger.log_info(f"radixlm: the engine runs in process {engine.pid} "
+                                 f"({engine.python})")
+        else:
+            self.logger.log_info(f"radixlm: attached to the engine process {engine.pid}"
+                                 f" ({instances} instances share it)")
+        return engine, engine.started_here
 
     def _server_stopping(self) -> bool:
         """Polled by the engine loop while requests are pending (never after finalize).
@@ -358,7 +358,7 @@ class TritonPythonModel:
             sink = TritonResponseSink(request)
             try:
                 parameters = _read_parameters(request)
-                if self.fault_injection and parameters.get(wire.DEBUG) == FAIL_ENGINE_LOOP:
+                if self.loop.diagnostics.wants_fault(parameters, wire.DEBUG):
                     self.loop.inject_fault("fault injected by a debug request")
                     sink.send_error("fault injected: the engine loop will die")
                     continue
@@ -380,8 +380,9 @@ class TritonPythonModel:
             self.logger.log_info("radixlm: finalize: stopping the engine loop")
             loop.stop()
             self.logger.log_info("radixlm: engine loop stopped")
-        if isinstance(getattr(self, "engine", None), EngineProcess):
-            self.engine.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()  # the metrics before their families
             self.metrics = None
