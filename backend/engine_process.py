@@ -7,7 +7,7 @@ step of the 1B shape took ~6 ms inside tritonserver. Here the engine steps in a 
 process with an interpreter of its own (``backend.engine_worker``) and sends each step's
 outputs to the stub in one message; the stub only routes and sends responses.
 
-Several stubs may share one engine (``open_shared``): Triton runs each model instance in
+Several stubs may share one engine (``shared_engine.open_shared``): Triton runs each model instance in
 a stub process of its own, and with N instances on one device, N stubs take requests in
 and send responses in parallel, in front of one engine, KV pool and radix cache. The
 first stub starts the engine process and has it listen on a Unix socket in a private
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
@@ -31,7 +30,7 @@ from typing import Any
 
 from backend import engine_protocol as proto
 from backend.core.handle import EngineDied, GenerateRequest, OutputBatch, Submission
-from backend.runtime_dir import FileLock, SocketAddress, default_location
+from backend.runtime_dir import FileLock, SocketAddress
 
 log = logging.getLogger("radixlm.engine_process")
 
@@ -322,32 +321,3 @@ class EngineProcess:
             self._replies[msg.token] = msg.value
         elif isinstance(msg, proto.Left):
             self._left = msg.last
-
-
-def shared_address(config, key: str, folder=None) -> tuple[SocketAddress, str]:
-    """The socket address and the lock file name of the engine process shared under
-    ``key`` with ``config`` (another config, say after a model reload with new settings,
-    gets an engine of its own), in this user's private runtime folder."""
-    digest = hashlib.sha1(f"{key}\n{config!r}".encode()).hexdigest()[:16]
-    folder = str(folder or default_location())
-    return SocketAddress(f"engine-{digest}.sock", folder), f"engine-{digest}.lock"
-
-
-def open_shared(config, key: str, start_timeout_s: float = 1800.0, folder=None,
-                **kwargs) -> EngineProcess:
-    """The engine process of ``key`` (one per tritonserver, model and device) for
-    ``config``: attach to the one another stub started, or start it, listening for the
-    others. A lock file orders the stubs, so the second waits while the first builds the
-    engine."""
-    address, lock_name = shared_address(config, key, folder)
-    lock = FileLock(address.folder, lock_name)
-    with lock:
-        try:
-            engine = EngineProcess.attach(address, config,
-                                          rpc_timeout_s=kwargs.get("rpc_timeout_s", 60.0))
-        except (ConnectionRefusedError, FileNotFoundError):
-            # none yet, or the socket of one that ended: the child binds afresh
-            engine = EngineProcess(config, start_timeout_s=start_timeout_s, listen=address,
-                                   **kwargs)
-    engine.lock = lock
-    return engine

@@ -20,6 +20,7 @@ tensor-parallel engine sends its other ranks) is one more dataclass in ``KINDS``
 from __future__ import annotations
 
 import dataclasses
+import operator
 import socket
 import threading
 from dataclasses import dataclass
@@ -121,39 +122,38 @@ KINDS: dict[str, type] = {cls.__name__: cls for cls in (
 
 # ---- StepOutput columns ------------------------------------------------------------------
 
-_ALWAYS = object()  # a field without a default: its column is always sent
-
-
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return _ALWAYS
-
-
-_OUTPUT_FIELDS = [(f.name, _default(f)) for f in dataclasses.fields(StepOutput)]
+_OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(StepOutput))
+_ROW = operator.attrgetter(*_OUTPUT_FIELDS)
+# columns left out when every value is the default: (name, default) (an empty list
+# compares equal to the default one)
+_OMITTABLE = tuple((i, f.name, None if f.default_factory is dataclasses.MISSING else [])
+                   for i, f in enumerate(dataclasses.fields(StepOutput))
+                   if f.default is None or f.default_factory is not dataclasses.MISSING)
 
 
 def _logprob_map(lp: TokenLogprob) -> dict:
     return {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
 
 
-def _outputs_to_columns(outputs: list[StepOutput]) -> dict[str, list]:
-    columns: dict[str, list] = {}
-    for name, default in _OUTPUT_FIELDS:
-        values = [getattr(o, name) for o in outputs]
-        if default is not _ALWAYS and all(v == default for v in values):
-            continue
-        if name in ("logprobs", "prompt_logprobs"):
-            values = [None if v is None else [_logprob_map(lp) for lp in v] for v in values]
-        elif name == "choice_scores":
-            values = [None if v is None else [dataclasses.asdict(s) for s in v] for v in values]
-        columns[name] = values
+def _outputs_to_columns(outputs: list[StepOutput]) -> dict[str, Any]:
+    """One column per field (read and transposed in C: this runs every step)."""
+    n = len(outputs)
+    columns = dict(zip(_OUTPUT_FIELDS, zip(*map(_ROW, outputs)))) if n else \
+        dict.fromkeys(_OUTPUT_FIELDS, ())
+    for i, name, default in _OMITTABLE:
+        if columns[name].count(default) == n:
+            del columns[name]
+    for name in ("logprobs", "prompt_logprobs"):
+        if name in columns:
+            columns[name] = [None if v is None else [_logprob_map(lp) for lp in v]
+                             for v in columns[name]]
+    if "choice_scores" in columns:
+        columns["choice_scores"] = [None if v is None else [dataclasses.asdict(s) for s in v]
+                                    for v in columns["choice_scores"]]
     return columns
 
 
-def _outputs_from_columns(columns: dict[str, list]) -> list[StepOutput]:
+def _outputs_from_columns(columns: dict[str, Any]) -> list[StepOutput]:
     for name in ("logprobs", "prompt_logprobs"):
         if name in columns:
             columns[name] = [None if v is None else [TokenLogprob(**lp) for lp in v]

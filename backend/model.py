@@ -20,22 +20,22 @@ import dataclasses
 import gc
 import json
 import os
-import signal
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import wire
-from backend.engine_process import EngineProcess, open_shared
+from backend.engine_process import EngineProcess
 from backend.metrics import EngineMetrics
+from backend.model_config import (PROJECT_ROOT, engine_config_from_parameters,
+                                  engine_process_wanted, instances_on_device, read_model_info)
+from backend.server_lifecycle import (parent_ready_url, server_not_ready, stop_tritonserver,
+                                      watch_stop_signals)
 from backend.serving import EngineLoop
-from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
+from backend.shared_engine import open_shared
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -120,86 +120,6 @@ class TritonMetricFactory:
         self._families.clear()
 
 
-def stop_tritonserver(logger) -> None:
-    """SIGTERM to tritonserver, the stub's parent: it stops serving (readiness fails at
-    once), unloads the models and exits."""
-    parent = os.getppid()
-    try:
-        name = Path(f"/proc/{parent}/comm").read_text().strip()
-    except OSError:
-        name = "?"
-    if name != "tritonserver":
-        logger.log_error(f"radixlm: the stub's parent is {name!r} (pid {parent}), not "
-                         "tritonserver: not stopping it")
-        return
-    logger.log_error(f"radixlm: stopping tritonserver (pid {parent}) so that it is restarted")
-    os.kill(parent, signal.SIGTERM)
-
-
-def parent_ready_url(pid: int | None = None) -> str | None:
-    """tritonserver's HTTP readiness URL, from the flags of the stub's parent
-    (``--http-port``, ``--allow-http``; Triton's default port 8000); None when the parent
-    is not tritonserver or serves no HTTP."""
-    pid = pid or os.getppid()
-    try:
-        if Path(f"/proc/{pid}/comm").read_text().strip() != "tritonserver":
-            return None
-        args = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-    except OSError:
-        return None
-    flags: dict[str, str] = {}
-    for i, arg in enumerate(args):
-        if arg.startswith("--"):
-            key, eq, value = arg[2:].partition("=")
-            if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value = args[i + 1]
-            flags[key.replace("_", "-")] = value
-    if flags.get("allow-http", "true").lower() in ("false", "0", "no", "off"):
-        return None
-    return f"http://127.0.0.1:{flags.get('http-port', '8000')}/v2/health/ready"
-
-
-def server_not_ready(url: str, timeout_s: float = 2.0) -> bool:
-    """True when tritonserver says it is not ready (shutting down) or no longer
-    answers; False when ready or when the answer did not come in time."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
-            return answer.status != 200
-    except urllib.error.HTTPError:
-        return True  # "Server not ready"
-    except (urllib.error.URLError, ConnectionError) as exc:
-        return not isinstance(getattr(exc, "reason", None), TimeoutError)
-    except TimeoutError:
-        return False
-
-
-def watch_stop_signals() -> threading.Event | None:
-    """An event set when this process gets SIGTERM or SIGINT; None where handlers cannot
-    be installed (only the main thread may).
-
-    Why: on shutdown tritonserver neither cancels in-flight decoupled requests nor calls
-    ``finalize`` before each has sent its final response, so a long stream would hold the
-    server up. The Python backend stub shares tritonserver's process group, so Ctrl-C or
-    ``kill -TERM -<pgid>`` reaches it too. Its main thread sits in C++ (a Python handler
-    would run late), so the signal is read from a wakeup fd by a watcher thread.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    stopping = threading.Event()
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: None)  # the stub keeps running until finalize
-    signal.set_wakeup_fd(write_fd)
-
-    def watch() -> None:
-        while os.read(read_fd, 64):
-            stopping.set()
-
-    threading.Thread(target=watch, name="radixlm-signal-watch", daemon=True).start()
-    return stopping
-
-
 def _read_inputs(request) -> dict[str, np.ndarray]:
     # one inputs() call: pb_utils.get_input_tensor_by_name rebuilds the request's whole
     # input list for every name it looks up
@@ -256,7 +176,7 @@ class TritonPythonModel:
         # read) could queue up to 5 ms behind a sender building a response. A short
         # interval bounds that wait.
         sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
-        instances = wire.instances_on_device(model_config, args.get("model_instance_kind", ""),
+        instances = instances_on_device(model_config, args.get("model_instance_kind", ""),
                                              int(args.get("model_instance_device_id") or 0))
         key = f"{os.getppid()}-{args['model_name']}-{args.get('model_version', '')}"
         self.engine, reports_gauges = self._open_engine(config, parameters, instances, key)
@@ -292,7 +212,7 @@ class TritonPythonModel:
     def _open_engine(self, config, parameters: dict, instances: int, key: str):
         """The engine handle for this instance, and whether this instance reports the
         engine-wide gauges. Which run mode runs when: docs/architecture.md."""
-        if not wire.engine_process_wanted(parameters, config.device, instances):
+        if not engine_process_wanted(parameters, config.device, instances):
             from backend.core import Engine  # in this process: the CPU default
 
             self.logger.log_info(f"radixlm: building the engine: {config}")

@@ -15,7 +15,8 @@ import uuid
 import pytest
 
 from backend.core import EngineConfig, SamplingParams
-from backend.engine_process import EngineProcess, open_shared, shared_address
+from backend.engine_process import EngineProcess
+from backend.shared_engine import open_shared, shared_address
 from backend.runtime_dir import SocketAddress
 from engine_helpers import make_engine, random_prompts, tiny_model
 from test_engine_process import SETTINGS, _alive, add, by_request, run_until_finished, wait_gone

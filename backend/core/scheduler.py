@@ -20,17 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .admission import admission_order, shares_uncached
 from .config import EngineConfig
 from .kv_allocator import KVSlotAllocator, TableRowAllocator
 from .radix_cache import RadixCache
 from .request import Req, ReqStatus
-
-LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step costs too much
-# A waiting request that shares at least this many uncached tokens with one admitted in
-# the same step waits a step: next step those tokens come from the cache instead of
-# being computed twice (few-shot batches arriving together).
-IN_BATCH_SHARE_MIN = 16
-
 
 # an eviction frees at least this share of the pool (1/EVICT_SHARE): least recently used
 # leaves that would soon go anyway
@@ -159,7 +153,7 @@ class Scheduler:
         # prompts whose KV is being computed now: this step's admissions and chunked
         # prefills still under way
         admitted_prompts = [r.fill_ids for r in self.running if r.num_uncomputed > 1]
-        for req in self._admission_order():
+        for req in admission_order(self.waiting, self.cache, self.config):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if req.grammar_future is not None:
@@ -171,8 +165,8 @@ class Scheduler:
             if not self.rows.can_alloc():
                 break
             match = self.cache.match_prefix(req.fill_ids[:req.max_match_len()])
-            if self.cache.enabled and self._shares_uncached(req.fill_ids, len(match.kv_indices),
-                                                            admitted_prompts):
+            if self.cache.enabled and shares_uncached(req.fill_ids, len(match.kv_indices),
+                                                      admitted_prompts):
                 continue
             self.cache.lock(match.last_node)
             n = min(len(req.fill_ids) - len(match.kv_indices), budget)
@@ -190,30 +184,6 @@ class Scheduler:
                 if req.arrival < latest:
                     req.times_passed_over += 1
         return items
-
-    @staticmethod
-    def _shares_uncached(ids: list[int], cached: int, others: list[list[int]]) -> bool:
-        """Whether some prompt in ``others`` agrees with ``ids`` on its first ``cached``
-        tokens and at least IN_BATCH_SHARE_MIN more. The short window past the cached
-        part is compared first: with a hundred few-shot questions admitted in one step,
-        comparing whole prompts pairwise cost more than the step itself."""
-        end = cached + IN_BATCH_SHARE_MIN
-        if len(ids) < end:
-            return False
-        window = ids[cached:end]
-        return any(other[cached:end] == window and other[:cached] == ids[:cached] for other in others)
-
-    def _admission_order(self) -> list[Req]:
-        if self.config.schedule_policy == "fcfs" or not self.cache.enabled \
-                or len(self.waiting) > LPM_MAX_QUEUE:
-            return sorted(self.waiting, key=lambda r: r.arrival)
-        for req in self.waiting:
-            req.cached_match_len = len(self.cache.match_prefix(req.fill_ids[:req.max_match_len()]).kv_indices)
-        starved = [r for r in self.waiting if r.times_passed_over >= self.config.starvation_bound]
-        rest = [r for r in self.waiting if r.times_passed_over < self.config.starvation_bound]
-        starved.sort(key=lambda r: r.arrival)
-        rest.sort(key=lambda r: (-r.cached_match_len, r.arrival))
-        return starved + rest
 
     def _can_admit(self, n: int) -> bool:
         """Whether ``n`` new tokens fit (a check: nothing is evicted or taken here)."""
