@@ -298,7 +298,7 @@ class GrammarBackend:
                     return result
             break
         # Fallback: xgrammar's greedy tokenization of the forced text, appended as is.
-        result = JumpForward(0, state._matcher.find_jump_forward_tokens())
+        result = JumpForward(0, state.matcher.find_jump_forward_tokens())
         if result.new_token_ids and self._try_replace(state, [], result, max_added):
             return result
         return JumpForward(0, [])
