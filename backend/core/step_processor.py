@@ -143,18 +143,21 @@ class StepProcessor:
 
 def _output(r: Req, new_ids: list[int], text: str, context: list[int], n_out: int) -> StepOutput:
     """``new_ids`` and ``context`` are the caller's own lists (not copied); ``n_out`` the
-    request's output length, placeholders of later steps not counted."""
+    request's output length, placeholders of later steps not counted. (Runs once per
+    token: what is usually left at its default is set only when it is not.)"""
+    out = StepOutput(request_id=r.group_id, index=r.index, new_token_ids=new_ids,
+                     new_text=text, finished=r.finish_reason is not None,
+                     finish_reason=r.finish_reason, num_prompt_tokens=len(r.origin_input_ids),
+                     num_cached_tokens=r.num_cached_tokens, num_output_tokens=n_out,
+                     context_token_ids=context)
     if new_ids:
-        logprobs = r.logprobs[-len(new_ids):] if r.params.logprobs else None
-        prompt_logprobs = r.prompt_logprobs if n_out == len(new_ids) else None
-    else:
-        logprobs = prompt_logprobs = None
-    return StepOutput(request_id=r.group_id, index=r.index, new_token_ids=new_ids,
-                      new_text=text, finished=r.finish_reason is not None,
-                      finish_reason=r.finish_reason, num_prompt_tokens=len(r.origin_input_ids),
-                      num_cached_tokens=r.num_cached_tokens, num_output_tokens=n_out,
-                      logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                      context_token_ids=context, error=r.error)
+        if r.params.logprobs:
+            out.logprobs = r.logprobs[-len(new_ids):]
+        if n_out == len(new_ids):
+            out.prompt_logprobs = r.prompt_logprobs
+    if r.error is not None:
+        out.error = r.error
+    return out
 
 
 def _detok_context(r: Req, end: int | None = None) -> list[int]:
