@@ -28,7 +28,8 @@ import traceback
 from typing import Any, Callable
 
 from backend import wire
-from backend.core.handle import EngineHandle, GenerateRequest, OutputBatch, ScoreRequest
+from backend.core.handle import (EngineDied, EngineHandle, GenerateRequest, OutputBatch,
+                                 ScoreRequest)
 from backend.diagnostics import LoopDiagnostics
 from backend.outbox import Outbox, Streamed
 from backend.routing import Router
@@ -112,7 +113,13 @@ class EngineLoop:
         # Track first: the loop may produce output for rid as soon as the engine has it.
         with self._lock:
             self._active[rid] = tracked
-        self.engine.submit(request)
+        try:
+            self.engine.submit(request)
+        except EngineDied as exc:  # the loop thread notices too, and fails the rest
+            message = f"the engine is not running ({exc})"
+            if self._retire(rid) is not None:
+                tracked.close_with(lambda: sink.send_error(message))
+            return
         if self.failure is not None:  # the loop died meanwhile, maybe after failing all
             if self._retire(rid) is not None:
                 reason = self.failure

@@ -124,7 +124,10 @@ def test_importing_these_does_not_import_torch(modules):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_the_ensembles_text_steps_load_without_torch(default_model):
+def test_the_ensembles_text_steps_load_without_torch():
+    from conftest import ensure_default_model
+
+    default_model = ensure_default_model()
     code = ("import sys\nsys.path.insert(0, 'ensemble')\nimport textproc\n"
             f"tok = textproc.load_tokenizer({str(default_model)!r})\n"
             "assert tok.decode(tok.encode('hello world')) == 'hello world'\n"
