@@ -177,9 +177,9 @@ class EngineMetrics:
         finished = [_Finished(prompt_tokens=out.num_prompt_tokens,
                               cached_tokens=out.num_cached_tokens,
                               generated_tokens=out.num_output_tokens,
-                              reason="error" if getattr(out, "error", None)
+                              reason="error" if out.error
                               else (out.finish_reason or "abort"),
-                              timings=dict(getattr(out, "timings", None) or {}))
+                              timings=dict(out.timings or {}))
                     for out in outputs if out.finished]
         if finished:
             with self._lock:

@@ -26,15 +26,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend import wire  # noqa: E402
+from backend.core.handle import OutputBatch  # noqa: E402
 from backend.core.outputs import StepOutput  # noqa: E402
 from backend.serving import EngineLoop  # noqa: E402
 
 
 class StandInEngine:
-    """Steps on its own clock, like the engine process: one token per request every
-    ``step_s``; ``step`` returns every step finished since the last call (waiting for
-    the next one when there is none), as ``EngineProcess.step`` returns all queued
-    step messages."""
+    """An ``EngineHandle`` that steps on its own clock, like the engine process: one
+    token per request every ``step_s``; ``next_outputs`` returns every step finished
+    since the last call (waiting for the next one when there is none), as
+    ``EngineProcess.next_outputs`` returns all queued step messages."""
 
     def __init__(self, step_s: float, tokens: int) -> None:
         self.step_s, self.tokens = step_s, tokens
@@ -43,25 +44,29 @@ class StandInEngine:
         self.t0: float | None = None
         self.steps_done = 0
 
-    def add_request(self, prompt, params, request_id, stream=True):
+    def submit(self, request):
         with self.lock:
-            self.made[request_id] = 0
+            self.made[request.request_id] = 0
             if self.t0 is None:
                 self.t0 = time.perf_counter()
-        return request_id
 
     def abort(self, request_id):
         with self.lock:
             self.made.pop(request_id, None)
 
-    def has_work(self):
-        return bool(self.made)
+    def next_outputs(self, timeout_s):
+        if not self.made:
+            time.sleep(min(timeout_s, 0.001))
+            return OutputBatch()
+        return OutputBatch(self._step(), time.time())
 
-    def wait_for_work(self, timeout):
-        time.sleep(min(timeout, 0.001))
-        return self.has_work()
+    def prompt_text(self, token_ids):
+        return ""
 
-    def step(self):
+    def close(self, timeout_s=10.0):
+        pass
+
+    def _step(self):
         due = self.steps_done + 1
         if self.step_s:
             now = time.perf_counter() - self.t0
@@ -74,8 +79,10 @@ class StandInEngine:
                 for rid, made in list(self.made.items()):
                     made += 1
                     done = made >= self.tokens
-                    outs.append(StepOutput(rid, 0, [made], "", done, "length" if done else None,
-                                           32, 0, made, context_token_ids=[made - 1]))
+                    outs.append(StepOutput(request_id=rid, new_token_ids=[made], finished=done,
+                                           finish_reason="length" if done else None,
+                                           num_prompt_tokens=32, num_output_tokens=made,
+                                           context_token_ids=[made - 1]))
                     if done:
                         del self.made[rid]
                     else:
@@ -142,13 +149,14 @@ def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.
         if not sink.done.wait(120):
             raise RuntimeError("a request did not finish")
     wall = time.perf_counter() - t0
-    steps = max(1, int(loop.timings["steps"]))
+    timings = loop.diagnostics.timer.report()
+    steps = max(1, int(timings["steps"]))
     loop.stop(5)
     assert sum(s.tokens for s in sinks) == batch * tokens
     first = sorted(s.first_sent - t0 for s in sinks)
     return {"batch": batch, "step_ms": step_s * 1e3, "wall_ms": wall * 1e3,
             "first_sent_ms_p50": first[len(first) // 2] * 1e3,
-            "stand_in_ms": tokens * step_s * 1e3, "route_ms_per_call": loop.timings["route_s"] / steps * 1e3,
+            "stand_in_ms": tokens * step_s * 1e3, "route_ms_per_call": timings["route_s"] / steps * 1e3,
             "responses": sum(s.responses for s in sinks), "tokens": batch * tokens}
 
 

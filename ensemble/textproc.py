@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping
 
 from backend.core.detokenizer import decode_window
 from backend.core.special_tokens import eos_token_ids  # noqa: F401  (re-exported)
-from backend.wire import PROJECT_ROOT, resolve_path
+from backend.model_config import PROJECT_ROOT, resolve_path
 
 
 class RequestError(ValueError):
@@ -56,9 +56,13 @@ def tokenizer_dir(parameters: Mapping[str, str], model_dir: Path) -> str:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer  # as backend.core.engine loads it
+    """The folder's tokenizer (tokenizer.json, its special tokens and chat template) as
+    transformers' fast tokenizer: the same vocabulary and rules as the engine's
+    ``AutoTokenizer``, without what ``AutoTokenizer`` imports to pick a model-specific
+    class (torch among it: seconds and a few hundred MB for a text-only step)."""
+    from transformers import PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(path)
+    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 # ---- preprocessing ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ except ImportError:  # not pip-installed: use the source tree
     import radixlm
 
 from radixlm import wire as client_wire
+from backend import model_config
 from backend import wire as server_wire
 from backend.core import ChoiceScore, SamplingParams
 
@@ -38,7 +39,7 @@ def test_every_output_the_client_reads_is_a_server_output_with_the_same_type():
 def test_the_client_accepts_exactly_the_sampling_keys_the_server_accepts():
     fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"max_new_tokens"}
     assert client_wire.SAMPLING_KEYS == fields | {"max_tokens"}
-    assert set(server_wire.MODEL_INFO_PARAMETERS) == {
+    assert set(model_config.MODEL_INFO_PARAMETERS) == {
         client_wire.CHAT_TEMPLATE_PARAM, client_wire.EOS_TOKEN_PARAM, client_wire.BOS_TOKEN_PARAM}
 
 

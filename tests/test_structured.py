@@ -141,7 +141,8 @@ def engine_no_jf() -> Engine:
 
 
 def _compilations(engine: Engine) -> int:
-    return engine.grammar.num_compilations if engine.grammar is not None else 0
+    backend = engine.grammar.backend
+    return backend.num_compilations if backend is not None else 0
 
 
 def _finish_checks(engine: Engine) -> None:
@@ -469,7 +470,7 @@ def reference(engine, big_batch):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
-    return {name: _reference_greedy_jump(model, engine.grammar, engine.eos_token_ids,
+    return {name: _reference_greedy_jump(model, engine.grammar.get(), engine.eos_token_ids,
                                          engine.tokenizer.encode(SCHEMA_PROMPTS[name]), schema, 120)
             for name, schema in SCHEMAS.items()}
 

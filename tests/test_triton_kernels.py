@@ -25,6 +25,7 @@ def _setup(prefix_lens, ext_lens, num_heads, num_kv_heads, head_dim, seed,
     further shuffled slots."""
     from backend.core.forward_batch import ForwardBatch
     from backend.core.memory_pool import KVPool, ReqToTokenPool
+    from backend.core.transfer import HostToDevice
     gen = torch.Generator().manual_seed(seed)
     pools = [KVPool(pool_size, 1, num_kv_heads, head_dim, dtype, "cpu") for _ in range(2)]
     r2t = ReqToTokenPool(rows, max_ctx, "cpu")
@@ -34,7 +35,7 @@ def _setup(prefix_lens, ext_lens, num_heads, num_kv_heads, head_dim, seed,
     for i, (prefix, n) in enumerate(zip(prefix_lens, ext_lens)):
         slots = slot_perm[used:used + prefix + n]
         used += prefix + n
-        r2t.write(row_perm[i], 0, slots)
+        r2t.write(row_perm[i], 0, slots, HostToDevice("cpu"))
         pk = torch.randn(prefix, num_kv_heads, head_dim, generator=gen).to(dtype)
         pv = torch.randn(prefix, num_kv_heads, head_dim, generator=gen).to(dtype)
         for p in pools:

@@ -170,10 +170,12 @@ def check_cuda_graph(s: Setup, batch_size, max_ctx):
 
 
 def check_pinned_ring() -> None:
-    """to_device's pinned ring under a busy device: many more copies than ring buffers are
+    """HostToDevice's pinned ring under a busy device: many more copies than ring buffers are
     queued behind long kernels, each with different values and sizes (buffers grow); every
     device tensor must hold exactly its own list."""
-    from backend.core.transfer import to_device
+    from backend.core.transfer import HostToDevice
+
+    to_device = HostToDevice("cuda")
 
     rng = random.Random(7)
     big = torch.randn(4096, 4096, device="cuda")
@@ -191,7 +193,7 @@ def check_pinned_ring() -> None:
         else:
             values = [rng.randint(-2**30, 2**30) for _ in range(n)]
         sent.append(values)
-        got.append(to_device(values, "cuda", dtype))
+        got.append(to_device(values, dtype))
     torch.cuda.synchronize()
     ok = all(t.tolist() == v for t, v in zip(got, sent))
     if not ok:

@@ -13,6 +13,7 @@ from .forward_batch import ForwardBatch
 from .layers.attention import AttentionBackend, TorchAttention
 from .memory_pool import KVPool, ReqToTokenPool
 from .models.registry import context_limit, model_class
+from .transfer import HostToDevice
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class ModelRunner:
         self.config = config
         self.hf_config = hf_config
         self.device = torch.device(config.device)
+        self.to_device = HostToDevice(self.device)  # every host list this side copies
         self.dtype = _DTYPES[config.dtype]
         self.context_len = min(config.context_length or context_limit(hf_config), context_limit(hf_config))
         self.vocab_size = hf_config.vocab_size
@@ -121,12 +123,17 @@ class ModelRunner:
             n = min(n, self.context_len)
             batch = ForwardBatch.build(input_ids=[0] * n, req_pool_indices=[0], extend_prefix_lens=[0],
                                        extend_seq_lens=[n], out_cache_loc=[0] * n,
-                                       logits_indices=[n - 1], device=self.device)
+                                       logits_indices=[n - 1], device=self.to_device)
             self.forward(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ running
+    def write_table(self, writes) -> None:
+        """Apply the scheduler's ``TableWrite``s (row, start, slots), in order."""
+        for row, start, slots in writes:
+            self.req_pool.write(row, start, slots, self.to_device)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of the rows ``batch.logits_indices``."""

@@ -8,7 +8,7 @@ branches that hang off them.
 
 Slot accounting (checked by ``check_integrity``)::
 
-    pool.size == free slots + slots in the tree + slots owned by running requests
+    slots.size == free slots + slots in the tree + slots owned by running requests
                                 (evictable + protected)   (not yet inserted)
 
 ``NoCache`` keeps the same interface with an always-empty tree (the cache-off baseline).
@@ -19,21 +19,20 @@ import heapq
 import itertools
 from typing import NamedTuple
 
-from .memory_pool import KVPool
-
-_clock = itertools.count()  # monotonic LRU timestamps; ties broken by creation order
+from .kv_allocator import KVSlotAllocator
 
 
 class TreeNode:
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
 
-    def __init__(self, key: list[int], value: list[int], parent: "TreeNode | None") -> None:
+    def __init__(self, key: list[int], value: list[int], parent: "TreeNode | None",
+                 last_access: int) -> None:
         self.key = key  # token ids on the edge from parent to this node
         self.value = value  # KV slot of each token of ``key``
         self.children: dict[int, TreeNode] = {}
         self.parent = parent
         self.lock_ref = 0
-        self.last_access = next(_clock)
+        self.last_access = last_access  # the cache's LRU clock when last matched
 
     def __lt__(self, other: "TreeNode") -> bool:  # for heapq
         return self.last_access < other.last_access
@@ -45,9 +44,11 @@ class MatchResult(NamedTuple):
 
 
 class RadixCache:
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self.root = TreeNode([], [], None)
+    def __init__(self, slots: KVSlotAllocator) -> None:
+        self.slots = slots  # evicted slots go back here
+        # monotonic LRU timestamps; ties broken by creation order
+        self._clock = itertools.count()
+        self.root = TreeNode([], [], None, next(self._clock))
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
@@ -63,7 +64,7 @@ class RadixCache:
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
         """Longest cached prefix of ``token_ids``; splits an edge if the match ends inside it."""
         node, matched = self.root, []
-        node.last_access = next(_clock)
+        node.last_access = next(self._clock)
         i = 0
         while i < len(token_ids):
             child = node.children.get(token_ids[i])
@@ -73,7 +74,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             matched.extend(child.value)
-            child.last_access = next(_clock)
+            child.last_access = next(self._clock)
             node = child
             i += n
         return MatchResult(matched, node)
@@ -84,27 +85,26 @@ class RadixCache:
         tree does not take."""
         assert len(token_ids) == len(kv_indices)
         node, i = self.root, 0
-        node.last_access = next(_clock)
+        node.last_access = next(self._clock)
         while i < len(token_ids):
             child = node.children.get(token_ids[i])
             if child is None:
-                leaf = TreeNode(list(token_ids[i:]), list(kv_indices[i:]), node)
+                leaf = TreeNode(list(token_ids[i:]), list(kv_indices[i:]), node, next(self._clock))
                 node.children[token_ids[i]] = leaf
                 self.evictable_size += len(leaf.key)
                 return i
             n = common_prefix_len(child.key, token_ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
-            child.last_access = next(_clock)
+            child.last_access = next(self._clock)
             node = child
             i += n
         return i
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; returns the new upper node."""
-        upper = TreeNode(child.key[:n], child.value[:n], child.parent)
+        upper = TreeNode(child.key[:n], child.value[:n], child.parent, child.last_access)
         upper.lock_ref = child.lock_ref
-        upper.last_access = child.last_access
         upper.children = {child.key[n]: child}
         child.parent.children[child.key[0]] = upper
         child.parent = upper
@@ -139,7 +139,7 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
-            self.pool.free(leaf.value)
+            self.slots.free(leaf.value)
             freed += len(leaf.value)
             self.evictable_size -= len(leaf.key)
             parent = leaf.parent
@@ -159,7 +159,7 @@ class RadixCache:
 
     def reset(self) -> None:
         for node in self._nodes():
-            self.pool.free(node.value)
+            self.slots.free(node.value)
         self.root.children = {}
         self.evictable_size = self.protected_size = 0
 

@@ -41,8 +41,9 @@ dl() {  # dl DEST SPEC...: cp312 binary wheels, no dependency resolution (we nam
 # typing-extensions (version unknown) are present; xgrammar's other needs are not.
 #   xgrammar 0.2.9: apache-tvm-ffi>=0.1.11, pydantic, torch, transformers, triton, numpy, typing-extensions>=4.9
 #   pydantic 2.14.4: annotated-types, pydantic-core==2.50.5, typing-extensions>=4.16, typing-inspection
+#   msgpack 1.2.4: the engine-process protocol (stub and engine process)
 dl "$D/site" xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 \
-   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 msgpack==1.2.4
 
 # Client side (bench_triton.py's process only). tritonclient 2.73's stubs need grpcio>=1.81.1
 # and protobuf>=6.33 (<7): carried so the machine's versions do not matter.

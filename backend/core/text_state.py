@@ -6,15 +6,16 @@ to exactly its final ``text``.
 """
 from __future__ import annotations
 
-from .detokenizer import STATELESS_CONTEXT_IDS, IncrementalDetokenizer
+from .detokenizer import STATELESS_CONTEXT_IDS, IncrementalDetokenizer, TokenDecoder
 
 
 class TextState:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
+    def __init__(self, decoder: TokenDecoder, prompt_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True, incremental: bool = True) -> None:
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.prompt_ids = _clean_context(tokenizer, prompt_ids)
-        self.detok = IncrementalDetokenizer(tokenizer, self.prompt_ids, skip_special_tokens)
+        self.decoder, self.skip = decoder, skip_special_tokens
+        self.tokenizer = decoder.tokenizer
+        self.prompt_ids = _clean_context(self.tokenizer, prompt_ids)
+        self.detok = IncrementalDetokenizer(decoder, self.prompt_ids, skip_special_tokens)
         # Nobody reads the text before the end (no streaming, no stop strings): decode
         # once at the finish instead of every step.
         self.lazy_ids: list[int] | None = None if incremental or stop else []
@@ -39,7 +40,7 @@ class TextState:
             return ""
         full = self.tokenizer.decode(output_ids, skip_special_tokens=self.skip)
         seen = self.text + self.pending
-        self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids + output_ids, self.skip)
+        self.detok = IncrementalDetokenizer(self.decoder, self.prompt_ids + output_ids, self.skip)
         return self._emit(self.pending + full[len(seen):], final=False)
 
     def finish(self) -> str:
