@@ -1,0 +1,221 @@
+"""Which unpinned leaf of the radix tree goes first: eviction policies (plain Python).
+
+A policy ranks the evictable leaves of a tier by ``priority(node, now)``; the lowest goes
+first. ``now`` is the cache's use clock: it ticks once per request that uses the cache
+(``RadixCache.record_use``), so gaps are counted in requests, not in seconds.
+
+``lru`` ranks by the last match that walked through a node (the original RadixAttention
+rule). It churns on cycles: with room for four prefixes and five in rotation it evicts
+exactly the prefix that comes next, every time.
+
+``adaptive`` ranks a leaf by its expected saving per token of cache it holds (hit
+density, after LHD): how likely its prefix is to be used again, over how long the cache
+must hold it until then, times what a token of it costs to recompute. Each node keeps
+how often it was used (``uses``), when last (``last_use``) and its typical gap between
+uses (``gap``); ``reuse_model.py`` learns from all nodes how gaps are spread around that
+typical value and how likely a prefix used k times is to come back:
+
+* **Frequency and recency.** A prefix with a short gap (a popular one) waits little for
+  its next use and ranks high; one that has stayed away for long, relative to its gap,
+  has probably stopped coming and ranks low.
+* **Cycles.** Where reuse is periodic (every prefix comes back one period after its last
+  use) the learned gap shape says the prefix used last is the one needed last: it is
+  evicted first, as the offline optimum does, and the others stay and hit. Where reuse
+  is memoryless the same rule ranks by rate (LFU-like). Chats with think times lie in
+  between and get what the data says.
+* **Ghosts.** A cycle longer than the cache is invisible while each prefix is evicted
+  before its second use. When a prefix leaves the cache altogether its statistics stay
+  in a small bounded history keyed by its position and first tokens; a prefix that comes
+  back resumes its use count and learns its gap from the ghost.
+* **Scans.** The chance of reuse is learned per use count (how many prefixes used k
+  times came back, against how many were dropped first), so a burst of one-off prompts
+  drives the chance of a first reuse down and ranks new leaves below prefixes that keep
+  coming back, instead of flushing them.
+* **Cost.** Recomputing a token costs more the deeper it sits (attention reads every
+  earlier token): a token at depth d weighs ``1 + d / ATTENTION_DEPTH``.
+
+Only leaves can go (a lock pins a whole path; a parent becomes a leaf when its last
+child leaves), and the tree enforces that: a policy only orders candidates.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import NamedTuple, Protocol
+
+from .reuse_model import GapShape, ReuseOdds
+
+EVICTION_POLICIES = ("adaptive", "lru")
+
+# depth at which a token's attention costs as much again as the rest of its layer
+ATTENTION_DEPTH = 8192
+# use counts above this share one class (their reuse probability is learned together)
+MAX_USE_CLASS = 4
+# a gap estimate moves this share of the way to each newly observed gap
+GAP_SMOOTHING = 0.5
+# the typical first gap (over all prefixes) moves this share towards each new one
+FIRST_GAP_SMOOTHING = 1 / 16
+# ghosts remember at most this many tokens' worth of dropped prefixes per cached token
+GHOST_TOKENS_PER_TOKEN = 8.0
+# tokens of context on each side of a prefix's start that identify its ghost
+GHOST_WINDOW = 32
+
+
+class NodeStats(Protocol):
+    """What a policy reads of a tree node (``radix_cache.TreeNode``)."""
+
+    key: list[int]
+    last_access: int  # the tree's recency clock at the last match through the node
+    uses: int
+    last_use: int
+    gap: float
+    depth: int  # tokens above the node's first token
+
+
+class Ghost(NamedTuple):
+    uses: int
+    last_use: int
+    gap: float
+    num_tokens: int
+
+
+class GhostHistory:
+    """Statistics of recently dropped prefixes, oldest forgotten first, bounded by the
+    tokens they stood for."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[int, Ghost] = OrderedDict()
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def remember(self, key: int, ghost: Ghost) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._tokens -= old.num_tokens
+        self._entries[key] = ghost
+        self._tokens += ghost.num_tokens
+        while self._tokens > self.max_tokens and self._entries:
+            _, dropped = self._entries.popitem(last=False)
+            self._tokens -= dropped.num_tokens
+
+    def recall(self, key: int) -> Ghost | None:
+        """The ghost of ``key``, forgotten as it is read (the prefix is back)."""
+        ghost = self._entries.pop(key, None)
+        if ghost is not None:
+            self._tokens -= ghost.num_tokens
+        return ghost
+
+
+def ghost_key(before: list[int], start: list[int], depth: int) -> int:
+    """Identity of a prefix that starts at token ``depth``: the tokens just before it and
+    its first tokens (independent of how the tree happens to split them into edges)."""
+    return hash((depth, tuple(before[-GHOST_WINDOW:]), tuple(start[:GHOST_WINDOW])))
+
+
+class EvictionPolicy(ABC):
+    """Orders a tier's evictable leaves. The tree calls the hooks; ``priority`` must not
+    change a node (eviction computes it for every candidate)."""
+
+    name: str
+    remembers = False  # whether on_drop needs the dropped prefix's ghost key
+    trims = False  # evict only the tail of a leaf that is needed (else whole edges)
+
+    @abstractmethod
+    def priority(self, node: NodeStats, now: int) -> float:
+        """Lower is evicted first."""
+
+    def on_use(self, node: NodeStats, now: int) -> None:
+        """A request uses the node's prefix (it lies on the request's cached path)."""
+
+    def on_create(self, node: NodeStats, key: int, now: int) -> None:
+        """A new leaf was inserted; ``key`` identifies its prefix (ghost_key)."""
+
+    def on_drop(self, node: NodeStats, key: int, now: int) -> None:
+        """The node's KV left the cache (every tier)."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently matched first."""
+
+    name = "lru"
+
+    def priority(self, node: NodeStats, now: int) -> float:
+        return node.last_access
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """Hit density from learned reuse odds and gap shapes (module doc)."""
+
+    name = "adaptive"
+    remembers = True
+    trims = True
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.ghosts = GhostHistory(max(int(capacity_tokens * GHOST_TOKENS_PER_TOKEN), 1))
+        self.odds = ReuseOdds(MAX_USE_CLASS)
+        # a prefix's first gap is unknown until it is reused: new leaves are measured
+        # against the typical first gap of all prefixes (its own shape)
+        self.first_gap = 0.0
+        self.first_shape = GapShape()
+        self.repeat_shape = GapShape()
+
+    # ---------------------------------------------------------------- ranking
+    def priority(self, node: NodeStats, now: int) -> float:
+        first = node.uses < 2
+        gap = max(self.first_gap if first else node.gap, 1.0)
+        survival, remaining = (self.first_shape if first else self.repeat_shape).tail(
+            (now - node.last_use) / gap)
+        p = self.odds.probability(node.uses) * survival
+        p = p / (p + 1.0 - self.odds.probability(node.uses))  # not back yet: less likely
+        cost = 1.0 + (node.depth + len(node.key) / 2) / ATTENTION_DEPTH
+        return p * cost / (remaining * gap)
+
+    # ---------------------------------------------------------------- learning
+    def on_use(self, node: NodeStats, now: int) -> None:
+        if node.last_use == now:
+            return  # already counted for this request
+        self._reuse(node, node.uses, node.gap, now - node.last_use)
+        node.last_use = now
+
+    def on_create(self, node: NodeStats, key: int, now: int) -> None:
+        ghost = self.ghosts.recall(key)
+        node.last_use = now
+        if ghost is None:
+            node.uses, node.gap = 1, 0.0
+        else:
+            self._reuse(node, ghost.uses, ghost.gap, now - ghost.last_use)
+
+    def on_drop(self, node: NodeStats, key: int, now: int) -> None:
+        self.odds.dropped(node.uses)
+        self.ghosts.remember(key, Ghost(node.uses, node.last_use, node.gap, len(node.key)))
+
+    def _reuse(self, node: NodeStats, uses: int, gap: float, observed: int) -> None:
+        """``node`` (with ``uses`` uses so far, typical ``gap``) is used again after
+        ``observed`` requests."""
+        if uses < 2:
+            if self.first_gap > 0:
+                self.first_shape.add(observed / self.first_gap)
+            self.first_gap = observed if self.first_gap == 0 else \
+                self.first_gap + FIRST_GAP_SMOOTHING * (observed - self.first_gap)
+            node.gap = observed
+        else:
+            self.repeat_shape.add(observed / max(gap, 1.0))
+            node.gap = _smooth(gap, observed)
+        self.odds.reused(uses)
+        node.uses = uses + 1
+
+
+def _smooth(old: float, new: float) -> float:
+    return old + GAP_SMOOTHING * (new - old)
+
+
+def make_policy(name: str, capacity_tokens: int) -> EvictionPolicy:
+    """The policy called ``name`` for a cache of ``capacity_tokens`` (both tiers)."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "adaptive":
+        return AdaptivePolicy(capacity_tokens)
+    raise ValueError(f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {name!r}")

@@ -1,0 +1,201 @@
+"""Replay request traces through the radix cache's policy alone, against the optimum.
+
+No model: the real ``RadixCache`` (its eviction policy, its host tier) and allocators on
+integer slots, driven as the scheduler drives them, one request at a time (match, pin,
+load a host part, make room for the whole request, insert, unpin). For each trace and
+policy it reports the hit rate (prompt tokens served from the cache / prompt tokens), per
+tier, and the hit rate of the offline optimum (``cache_optimum.py``: farthest-in-future at
+token granularity, exact for this model) at the same capacity: the device tier alone for
+GPU-only runs, device + host for runs with the host tier.
+
+    .venv/bin/python benchmarks/cache_replay.py [--out docs/benchmarks] [--traces cycle,...]
+
+writes ``cache_policies.json``, ``cache_policies.md`` and ``cache_policies.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from backend.core.eviction import make_policy  # noqa: E402
+from backend.core.host_tier import HostBlockAllocator, HostSave  # noqa: E402
+from backend.core.kv_allocator import KVSlotAllocator  # noqa: E402
+from backend.core.radix_cache import RadixCache  # noqa: E402
+from backend.core.scheduler import EVICT_SHARE  # noqa: E402
+from cache_optimum import TraceRequest, optimal_hits  # noqa: E402
+from cache_traces import Trace, all_traces  # noqa: E402
+
+POLICIES = ("lru", "adaptive")
+HOST_RATIO = 2  # host tier = this many times the device tier (the engine's default)
+
+
+@dataclass
+class ReplayResult:
+    prompt_tokens: int = 0
+    device_hits: int = 0
+    host_hits: int = 0
+    saved_tokens: int = 0  # device -> host
+    loaded_tokens: int = 0  # host -> device
+
+    @property
+    def hits(self) -> int:
+        return self.device_hits + self.host_hits
+
+
+def replay(requests: list[TraceRequest], capacity: int, policy: str, host_tokens: int = 0,
+           check_every: int = 0) -> ReplayResult:
+    """Serve ``requests`` in order through a cache of ``capacity`` device slots."""
+    slots = KVSlotAllocator(capacity)
+    host = HostBlockAllocator(host_tokens) if host_tokens else None
+    cache = RadixCache(slots, make_policy(policy, capacity + host_tokens), host)
+    out = ReplayResult()
+    for i, r in enumerate(requests):
+        path = r.path
+        match = cache.match_prefix(r.prompt[:r.hit_limit])
+        cache.lock(match.deepest)
+        cached = len(match.kv_indices) + match.host_len
+        _make_room(cache, match.host_len + len(path) - cached)
+        kv = list(match.kv_indices)
+        if match.host_len:
+            loaded = slots.alloc(match.host_len)
+            ticket = cache.start_load(match, loaded)
+            kv += loaded
+        cache.record_use(match.deepest)
+        kv += slots.alloc(len(path) - cached)
+        if match.host_len:
+            cache.finish_load(ticket)  # no device here: a load is done once planned
+        present = cache.insert(path, kv)
+        slots.free(kv[cached:present])
+        cache.unlock(match.deepest)
+        for copy in cache.take_copies():
+            if isinstance(copy, HostSave):
+                out.saved_tokens += len(copy.host_blocks)
+            else:
+                out.loaded_tokens += len(copy.host_blocks)
+        out.prompt_tokens += len(r.prompt)
+        out.device_hits += len(match.kv_indices)
+        out.host_hits += match.host_len
+        if check_every and i % check_every == 0:
+            cache.check_integrity()
+            assert sorted(cache.cached_slots() + slots.free_slots()) == \
+                list(range(1, capacity + 1)), "slot accounting broken"
+    return out
+
+
+def _make_room(cache: RadixCache, n: int) -> None:
+    short = n - cache.slots.available_size()
+    if short > 0:  # as Scheduler.take_slots: at least a share of the pool at once
+        cache.evict(max(short, cache.slots.size // EVICT_SHARE))
+    if cache.slots.available_size() < n:
+        raise ValueError(f"a request of {n} tokens does not fit in the cache")
+
+
+def evaluate(trace: Trace, policies=POLICIES) -> list[dict]:
+    """One row per (policy, tier setting), with the optimum at the same capacity."""
+    rows = []
+    host = HOST_RATIO * trace.capacity
+    optimum = {cap: sum(optimal_hits(trace.requests, cap)) for cap in (trace.capacity,
+                                                                        trace.capacity + host)}
+    for policy in policies:
+        for host_tokens in (0, host):
+            started = time.perf_counter()
+            res = replay(trace.requests, trace.capacity, policy, host_tokens)
+            best = optimum[trace.capacity + host_tokens]
+            rows.append({
+                "trace": trace.name, "policy": policy, "host_tier": bool(host_tokens),
+                "requests": len(trace.requests), "prompt_tokens": res.prompt_tokens,
+                "device_tokens": trace.capacity, "host_tokens": host_tokens,
+                "hit_rate": round(res.hits / res.prompt_tokens, 4),
+                "device_hit_rate": round(res.device_hits / res.prompt_tokens, 4),
+                "host_hit_rate": round(res.host_hits / res.prompt_tokens, 4),
+                "optimal_hit_rate": round(best / res.prompt_tokens, 4),
+                "share_of_optimum": round(res.hits / best, 4) if best else None,
+                "saved_tokens": res.saved_tokens, "loaded_tokens": res.loaded_tokens,
+                "replay_s": round(time.perf_counter() - started, 2),
+            })
+    return rows
+
+
+def markdown(traces: list[Trace], rows: list[dict]) -> str:
+    lines = ["# Radix cache eviction policies against the offline optimum", "",
+             "Generated by `benchmarks/cache_replay.py` (no model: the radix cache and its "
+             "allocators on integer slots). Hit rate = prompt tokens served from the cache / "
+             "prompt tokens; *optimum* = farthest-in-future eviction at token granularity "
+             "(`benchmarks/cache_optimum.py`), at the device capacity for GPU-only rows and "
+             f"at device + host for host-tier rows (host = {HOST_RATIO}x device).", "",
+             "| trace | policy | host tier | hit rate | device / host | optimum | % of optimum |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        share = "-" if r["share_of_optimum"] is None else f"{100 * r['share_of_optimum']:.1f}%"
+        lines.append(f"| {r['trace']} | {r['policy']} | {'on' if r['host_tier'] else 'off'} | "
+                     f"{100 * r['hit_rate']:.1f}% | {100 * r['device_hit_rate']:.1f}% / "
+                     f"{100 * r['host_hit_rate']:.1f}% | {100 * r['optimal_hit_rate']:.1f}% | "
+                     f"{share} |")
+    lines += ["", "Traces:", ""]
+    lines += [f"- **{t.name}** ({len(t.requests)} requests, device cache {t.capacity} tokens): "
+              f"{t.description}." for t in traces]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    series = list(dict.fromkeys((r["policy"], r["host_tier"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(series)
+    for k, (policy, host) in enumerate(series):
+        values = [100 * next((r["share_of_optimum"] or 0) for r in rows if r["trace"] == t
+                             and r["policy"] == policy and r["host_tier"] == host)
+                  for t in traces]
+        ax.bar([i + k * width for i in range(len(traces))], values, width,
+               label=f"{policy}{' + host tier' if host else ''}")
+    ax.axhline(80, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(traces))], traces)
+    ax.set_ylabel("% of the optimal hit rate")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    ap.add_argument("--traces", default=None, help="comma-separated names (default: all)")
+    args = ap.parse_args()
+    traces = all_traces()
+    if args.traces:
+        traces = [t for t in traces if t.name in args.traces.split(",")]
+    rows = []
+    for trace in traces:
+        rows += evaluate(trace)
+        for r in rows[-2 * len(POLICIES):]:
+            print(f"{r['trace']:14s} {r['policy']:9s} host={'on ' if r['host_tier'] else 'off'} "
+                  f"hit {100 * r['hit_rate']:5.1f}% (device {100 * r['device_hit_rate']:5.1f}%, "
+                  f"host {100 * r['host_hit_rate']:5.1f}%)  optimum {100 * r['optimal_hit_rate']:5.1f}%"
+                  f"  -> {100 * (r['share_of_optimum'] or 0):5.1f}% of optimum  ({r['replay_s']} s)",
+                  flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cache_policies.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "cache_policies.md").write_text(markdown(traces, rows))
+    plot(rows, out / "cache_policies.png")
+
+
+if __name__ == "__main__":
+    main()
