@@ -1,8 +1,10 @@
 """Which unpinned leaf of the radix tree goes first: eviction policies (plain Python).
 
 A policy ranks the evictable leaves of a tier by ``priority(node, now)``; the lowest goes
-first. ``now`` is the cache's use clock: it ticks once per request that uses the cache
-(``RadixCache.record_use``), so gaps are counted in requests, not in seconds.
+first, and among equals the most recently used (what was cached before stays). ``now``
+is the cache's use clock: it ticks once per reuse (a request whose prompt hits the cache,
+or a dropped prefix coming back), so gaps are counted in reuses, not in seconds or
+requests, and a burst of one-off prompts does not age what is cached.
 
 ``lru`` ranks by the last match that walked through a node (the original RadixAttention
 rule). It churns on cycles: with room for four prefixes and five in rotation it evicts
@@ -43,9 +45,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
+from .config import RADIX_EVICTION_POLICIES
 from .reuse_model import GapShape, ReuseOdds
-
-EVICTION_POLICIES = ("adaptive", "lru")
 
 # depth at which a token's attention costs as much again as the rest of its layer
 ATTENTION_DEPTH = 8192
@@ -57,6 +58,11 @@ GAP_SMOOTHING = 0.5
 FIRST_GAP_SMOOTHING = 1 / 16
 # ghosts remember at most this many tokens' worth of dropped prefixes per cached token
 GHOST_TOKENS_PER_TOKEN = 8.0
+# Scans: while never-reused prefixes hold more than this share of the cache they go before
+# any prefix that was reused (a probation area, as in 2Q); below it, all rank alike, so
+# new prefixes always have room to prove themselves
+PROBATION_SHARE = 0.1
+PROBATION_RANK = 1e9  # far below any density
 # tokens of context on each side of a prefix's start that identify its ghost
 GHOST_WINDOW = 32
 
@@ -91,6 +97,9 @@ class GhostHistory:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: int) -> bool:
+        return key in self._entries
+
     def remember(self, key: int, ghost: Ghost) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
@@ -122,10 +131,17 @@ class EvictionPolicy(ABC):
     name: str
     remembers = False  # whether on_drop needs the dropped prefix's ghost key
     trims = False  # evict only the tail of a leaf that is needed (else whole edges)
+    # never-reused prefixes holding more than this share of the cache are "crowded"
+    probation_share = 1.0
 
     @abstractmethod
-    def priority(self, node: NodeStats, now: int) -> float:
-        """Lower is evicted first."""
+    def priority(self, node: NodeStats, now: int, crowded: bool = False) -> float:
+        """Lower is evicted first. ``crowded``: never-reused prefixes hold more than
+        ``probation_share`` of the cache."""
+
+    def knows(self, key: int) -> bool:
+        """Whether ``key`` is a prefix dropped recently (a ghost)."""
+        return False
 
     def on_use(self, node: NodeStats, now: int) -> None:
         """A request uses the node's prefix (it lies on the request's cached path)."""
@@ -142,7 +158,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def priority(self, node: NodeStats, now: int) -> float:
+    def priority(self, node: NodeStats, now: int, crowded: bool = False) -> float:
         return node.last_access
 
 
@@ -152,6 +168,7 @@ class AdaptivePolicy(EvictionPolicy):
     name = "adaptive"
     remembers = True
     trims = True
+    probation_share = PROBATION_SHARE
 
     def __init__(self, capacity_tokens: int) -> None:
         self.ghosts = GhostHistory(max(int(capacity_tokens * GHOST_TOKENS_PER_TOKEN), 1))
@@ -163,7 +180,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.repeat_shape = GapShape()
 
     # ---------------------------------------------------------------- ranking
-    def priority(self, node: NodeStats, now: int) -> float:
+    def priority(self, node: NodeStats, now: int, crowded: bool = False) -> float:
         first = node.uses < 2
         gap = max(self.first_gap if first else node.gap, 1.0)
         survival, remaining = (self.first_shape if first else self.repeat_shape).tail(
@@ -171,7 +188,8 @@ class AdaptivePolicy(EvictionPolicy):
         p = self.odds.probability(node.uses) * survival
         p = p / (p + 1.0 - self.odds.probability(node.uses))  # not back yet: less likely
         cost = 1.0 + (node.depth + len(node.key) / 2) / ATTENTION_DEPTH
-        return p * cost / (remaining * gap)
+        density = p * cost / (remaining * gap)
+        return density - PROBATION_RANK if crowded and first else density
 
     # ---------------------------------------------------------------- learning
     def on_use(self, node: NodeStats, now: int) -> None:
@@ -179,6 +197,9 @@ class AdaptivePolicy(EvictionPolicy):
             return  # already counted for this request
         self._reuse(node, node.uses, node.gap, now - node.last_use)
         node.last_use = now
+
+    def knows(self, key: int) -> bool:
+        return key in self.ghosts
 
     def on_create(self, node: NodeStats, key: int, now: int) -> None:
         ghost = self.ghosts.recall(key)
@@ -218,4 +239,5 @@ def make_policy(name: str, capacity_tokens: int) -> EvictionPolicy:
         return LRUPolicy()
     if name == "adaptive":
         return AdaptivePolicy(capacity_tokens)
-    raise ValueError(f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {name!r}")
+    raise ValueError(f"radix_eviction_policy must be one of {RADIX_EVICTION_POLICIES}, "
+                     f"got {name!r}")

@@ -103,7 +103,10 @@ class RadixCache:
 
     def record_use(self, node: TreeNode) -> None:
         """A request uses the cached path ending at ``node`` (call once per admission):
-        the policy's statistics learn from it."""
+        the policy's statistics learn from it. The use clock counts reuses only (a hit,
+        or a dropped prefix coming back), so one-off prompts do not age what is cached."""
+        if node is self.root:
+            return
         self.use_clock += 1
         now = self.use_clock
         while node is not self.root:
@@ -141,7 +144,10 @@ class RadixCache:
                         depth=i)
         parent.children[token_ids[i]] = leaf
         self.evictable_size += len(leaf.key)
-        self.policy.on_create(leaf, ghost_key(token_ids[:i], leaf.key, i), self.use_clock)
+        key = ghost_key(token_ids[:i], leaf.key, i)
+        if self.policy.knows(key):
+            self.use_clock += 1  # a dropped prefix is back: a reuse
+        self.policy.on_create(leaf, key, self.use_clock)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; returns the new upper node."""

@@ -20,7 +20,7 @@ NUM_BINS = 32
 # observations before the counts are halved (old traffic fades)
 HISTOGRAM_HORIZON = 2048
 # tables are rebuilt after this many new observations
-REFRESH_EVERY = 32
+REFRESH_EVERY = 8
 # the prior: this many observations spread as an exponential (memoryless reuse)
 PRIOR_WEIGHT = 8.0
 

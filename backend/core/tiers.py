@@ -44,7 +44,8 @@ class TierMover:
     def evict(self, num_tokens: int) -> int:
         cache = self.cache
         now = cache.use_clock
-        heap = [self._entry(n, now) for n in self._device_leaves() if n.lock_ref == 0]
+        leaves, host_nodes, crowded = self._survey()
+        heap = [self._entry(n, now, crowded) for n in leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         host_heap: list | None = None
         freed = 0
@@ -54,39 +55,52 @@ class TierMover:
             if keep > 0 and cache.policy.trims:
                 # only the tail that is needed goes; the head stays cached as a leaf
                 upper = cache._split(leaf, keep)
-                heapq.heappush(heap, self._entry(upper, now))
+                heapq.heappush(heap, self._entry(upper, now, crowded))
             freed += len(leaf.value)
             cache.evictable_size -= len(leaf.key)
             if cache.host is not None and not leaf.host:
                 if host_heap is None:
-                    host_heap = self._host_candidates(now)
-                if self._make_host_room(len(leaf.key), prio, host_heap):
+                    host_heap = [self._entry(n, now, crowded) for n in host_nodes
+                                 if _host_candidate(n)]
+                    heapq.heapify(host_heap)
+                if self._make_host_room(len(leaf.key), prio, host_heap, crowded):
                     self._save(leaf)
             cache.slots.free(leaf.value)
             leaf.value = []
             parent = leaf.parent
             if leaf.host:
                 if host_heap is not None and not leaf.children:
-                    heapq.heappush(host_heap, self._entry(leaf, now))
+                    heapq.heappush(host_heap, self._entry(leaf, now, crowded))
             else:
                 self._drop_subtree(leaf, now)
             if (parent is not cache.root and parent.lock_ref == 0
                     and not any(c.value for c in parent.children.values())):
-                heapq.heappush(heap, self._entry(parent, now))
+                heapq.heappush(heap, self._entry(parent, now, crowded))
         return freed
 
-    def _entry(self, node: TreeNode, now: int) -> tuple:
-        return (self.cache.policy.priority(node, now), node.last_access, next(self._seq), node)
+    def _entry(self, node: TreeNode, now: int, crowded: bool) -> tuple:
+        # equal priority: the most recently used goes first (what was there stays; LRU's
+        # priorities are all distinct)
+        return (self.cache.policy.priority(node, now, crowded), -node.last_access,
+                next(self._seq), node)
 
-    def _device_leaves(self) -> list[TreeNode]:
-        out, stack = [], [self.cache.root]
+    def _survey(self) -> tuple[list[TreeNode], list[TreeNode], bool]:
+        """One walk of the tree: the device leaves, the nodes with a host copy, and
+        whether never-reused prefixes hold more than their share of what is cached."""
+        leaves, host_nodes = [], []
+        new = total = 0
+        stack = list(self.cache.root.children.values())
         while stack:
             node = stack.pop()
-            below = [c for c in node.children.values() if c.value]
-            if not below and node is not self.cache.root:
-                out.append(node)
-            stack.extend(below)
-        return out
+            stack.extend(node.children.values())
+            n = len(node.key) * ((1 if node.value else 0) + (1 if node.host else 0))
+            total += n
+            new += n if node.uses < 2 else 0
+            if node.host:
+                host_nodes.append(node)
+            if node.value and not any(c.value for c in node.children.values()):
+                leaves.append(node)
+        return leaves, host_nodes, new > self.cache.policy.probation_share * total
 
     def _save(self, node: TreeNode) -> None:
         blocks = self.cache.host.alloc(len(node.key))
@@ -96,12 +110,7 @@ class TierMover:
         self.saved_tokens += len(blocks)
 
     # ------------------------------------------------------------------ host eviction
-    def _host_candidates(self, now: int) -> list:
-        heap = [self._entry(n, now) for n in self.cache._nodes() if _host_candidate(n)]
-        heapq.heapify(heap)
-        return heap
-
-    def _make_host_room(self, n: int, victim_priority: float, heap: list) -> bool:
+    def _make_host_room(self, n: int, victim_priority: float, heap: list, crowded: bool) -> bool:
         """Free ``n`` host blocks by dropping host copies that rank below the victim;
         False (nothing dropped) when those are not enough."""
         host = self.cache.host
@@ -124,10 +133,10 @@ class TierMover:
             return False
         now = self.cache.use_clock
         for *_, node in taken:
-            self._drop_host(node, now, heap)
+            self._drop_host(node, now, heap, crowded)
         return True
 
-    def _drop_host(self, node: TreeNode, now: int, heap: list) -> None:
+    def _drop_host(self, node: TreeNode, now: int, heap: list, crowded: bool) -> None:
         cache = self.cache
         cache.host.free(node.host)
         cache.host_size -= len(node.host)
@@ -137,7 +146,7 @@ class TierMover:
         parent = node.parent
         self._forget(node, now)
         if parent is not cache.root and _host_candidate(parent):
-            heapq.heappush(heap, self._entry(parent, now))
+            heapq.heappush(heap, self._entry(parent, now, crowded))
 
     def _drop_subtree(self, node: TreeNode, now: int) -> None:
         """Remove ``node`` (KV on neither tier now) with the host-only nodes below it."""
