@@ -85,43 +85,66 @@ class Ghost(NamedTuple):
     num_tokens: int
 
 
+class GhostKey(NamedTuple):
+    """Where a prefix starts (its depth, the tokens just before it, its first token) and
+    its first tokens: independent of how the tree happens to split the path into edges."""
+
+    anchor: int
+    head: tuple[int, ...]
+
+
+def ghost_key(before: list[int], start: list[int], depth: int) -> GhostKey:
+    return GhostKey(hash((depth, tuple(before[-GHOST_WINDOW:]), start[0])),
+                    tuple(start[:GHOST_WINDOW]))
+
+
 class GhostHistory:
     """Statistics of recently dropped prefixes, oldest forgotten first, bounded by the
-    tokens they stood for."""
+    tokens they stood for. A prefix matches a ghost that starts where it starts when the
+    shorter of their first tokens begins the longer (a dropped edge may have been
+    shorter or longer than the leaf that brings it back)."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[int, Ghost] = OrderedDict()
+        self._entries: OrderedDict[GhostKey, Ghost] = OrderedDict()
+        self._heads: dict[int, list[tuple[int, ...]]] = {}
         self._tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: int) -> bool:
-        return key in self._entries
+    def __contains__(self, key: GhostKey) -> bool:
+        return self._find(key) is not None
 
-    def remember(self, key: int, ghost: Ghost) -> None:
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._tokens -= old.num_tokens
+    def _find(self, key: GhostKey) -> GhostKey | None:
+        for head in self._heads.get(key.anchor, ()):
+            n = min(len(head), len(key.head))
+            if head[:n] == key.head[:n]:
+                return GhostKey(key.anchor, head)
+        return None
+
+    def remember(self, key: GhostKey, ghost: Ghost) -> None:
+        if key in self._entries:
+            self._forget(key)
         self._entries[key] = ghost
+        self._heads.setdefault(key.anchor, []).append(key.head)
         self._tokens += ghost.num_tokens
         while self._tokens > self.max_tokens and self._entries:
-            _, dropped = self._entries.popitem(last=False)
-            self._tokens -= dropped.num_tokens
+            self._forget(next(iter(self._entries)))
 
-    def recall(self, key: int) -> Ghost | None:
-        """The ghost of ``key``, forgotten as it is read (the prefix is back)."""
-        ghost = self._entries.pop(key, None)
-        if ghost is not None:
-            self._tokens -= ghost.num_tokens
+    def recall(self, key: GhostKey) -> Ghost | None:
+        """The ghost matching ``key``, forgotten as it is read (the prefix is back)."""
+        found = self._find(key)
+        return self._forget(found) if found is not None else None
+
+    def _forget(self, key: GhostKey) -> Ghost:
+        ghost = self._entries.pop(key)
+        heads = self._heads[key.anchor]
+        heads.remove(key.head)
+        if not heads:
+            del self._heads[key.anchor]
+        self._tokens -= ghost.num_tokens
         return ghost
-
-
-def ghost_key(before: list[int], start: list[int], depth: int) -> int:
-    """Identity of a prefix that starts at token ``depth``: the tokens just before it and
-    its first tokens (independent of how the tree happens to split them into edges)."""
-    return hash((depth, tuple(before[-GHOST_WINDOW:]), tuple(start[:GHOST_WINDOW])))
 
 
 class EvictionPolicy(ABC):
@@ -139,17 +162,17 @@ class EvictionPolicy(ABC):
         """Lower is evicted first. ``crowded``: never-reused prefixes hold more than
         ``probation_share`` of the cache."""
 
-    def knows(self, key: int) -> bool:
+    def knows(self, key: GhostKey) -> bool:
         """Whether ``key`` is a prefix dropped recently (a ghost)."""
         return False
 
     def on_use(self, node: NodeStats, now: int) -> None:
         """A request uses the node's prefix (it lies on the request's cached path)."""
 
-    def on_create(self, node: NodeStats, key: int, now: int) -> None:
+    def on_create(self, node: NodeStats, key: GhostKey, now: int) -> None:
         """A new leaf was inserted; ``key`` identifies its prefix (ghost_key)."""
 
-    def on_drop(self, node: NodeStats, key: int, now: int) -> None:
+    def on_drop(self, node: NodeStats, key: GhostKey, now: int) -> None:
         """The node's KV left the cache (every tier)."""
 
 
@@ -198,10 +221,10 @@ class AdaptivePolicy(EvictionPolicy):
         self._reuse(node, node.uses, node.gap, now - node.last_use)
         node.last_use = now
 
-    def knows(self, key: int) -> bool:
+    def knows(self, key: GhostKey) -> bool:
         return key in self.ghosts
 
-    def on_create(self, node: NodeStats, key: int, now: int) -> None:
+    def on_create(self, node: NodeStats, key: GhostKey, now: int) -> None:
         ghost = self.ghosts.recall(key)
         node.last_use = now
         if ghost is None:
@@ -209,7 +232,7 @@ class AdaptivePolicy(EvictionPolicy):
         else:
             self._reuse(node, ghost.uses, ghost.gap, now - ghost.last_use)
 
-    def on_drop(self, node: NodeStats, key: int, now: int) -> None:
+    def on_drop(self, node: NodeStats, key: GhostKey, now: int) -> None:
         self.odds.dropped(node.uses)
         self.ghosts.remember(key, Ghost(node.uses, node.last_use, node.gap, len(node.key)))
 
