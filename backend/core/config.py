@@ -47,7 +47,7 @@ class EngineConfig:
     radix_eviction_policy: str = "adaptive"
     # host-memory tier for KV evicted from the device, loaded back on a hit instead of
     # recomputed: host_cache_tokens when set, else host_cache_ratio x the device KV pool
-    # (0: no host tier); at most half the host memory free at start-up
+    # (0: no host tier); at most a quarter of the host memory free at start-up
     host_cache_ratio: float = 2.0
     host_cache_tokens: int | None = None
 
