@@ -3,6 +3,7 @@ optimum of its model (checked by exhaustive search on small traces), and its rep
 the real cache shows what the policies do on the seed's cycle."""
 from __future__ import annotations
 
+import json
 import sys
 from functools import lru_cache
 from itertools import combinations
@@ -91,5 +92,15 @@ def test_the_report_rows_compare_each_policy_with_the_optimum_at_its_capacity():
         assert abs(r["hit_rate"] - r["device_hit_rate"] - r["host_hit_rate"]) < 1e-3
         assert 0 <= r["share_of_optimum"] <= 1.0
     assert rows[0]["hit_rate"] == 0.0
-    table = markdown([trace], rows)
-    assert "| tiny-cycle | lru | off | 0.0% |" in table
+    report = {"traces": [{"name": trace.name, "description": trace.description,
+                          "requests": len(trace.requests), "capacity": trace.capacity}],
+              "rows": rows}
+    assert "| tiny-cycle | lru | off | 0.0% |" in markdown(report)
+
+
+def test_the_committed_page_is_what_the_committed_results_make():
+    docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    report = json.loads((docs / "cache_policies.json").read_text())
+    assert (docs / "cache_policies.md").read_text() == markdown(report)
+    assert {r["trace"] for r in report["rows"]} == {
+        "cycle", "zipf-tenants", "multi-turn", "hot-and-scans"}
