@@ -165,3 +165,21 @@ def test_reuse_odds_follow_what_happened_per_use_count():
     odds.reused(1)
     assert odds.probability(1) < 0.1 and odds.probability(3) > 0.9
     assert odds.probability(9) == odds.probability(4)  # counts above the last class share it
+
+
+def test_the_policy_and_the_host_tier_are_set_from_config_pbtxt_parameters(tmp_path):
+    from backend.model_config import engine_config_from_parameters
+
+    config = engine_config_from_parameters(
+        {"model_path": str(tmp_path), "radix_eviction_policy": "lru", "host_cache_ratio": "0",
+         "host_cache_tokens": "4096"}, [tmp_path])
+    assert (config.radix_eviction_policy, config.host_cache_ratio, config.host_cache_tokens) == \
+        ("lru", 0.0, 4096)
+    default = engine_config_from_parameters({"model_path": str(tmp_path)}, [tmp_path])
+    assert (default.radix_eviction_policy, default.host_cache_ratio) == ("adaptive", 2.0)
+    with pytest.raises(ValueError, match="radix_eviction_policy"):
+        engine_config_from_parameters({"model_path": str(tmp_path),
+                                       "radix_eviction_policy": "mru"}, [tmp_path])
+    with pytest.raises(ValueError, match="host_cache_ratio"):
+        engine_config_from_parameters({"model_path": str(tmp_path),
+                                       "host_cache_ratio": "-1"}, [tmp_path])

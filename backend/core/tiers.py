@@ -51,6 +51,8 @@ class TierMover:
         freed = 0
         while freed < num_tokens and heap:
             prio, _, _, leaf = heapq.heappop(heap)
+            if not leaf.value or any(c.value for c in leaf.children.values()):
+                continue  # queued twice (a trimmed head is also its tail's parent)
             keep = len(leaf.key) - (num_tokens - freed)
             if keep > 0 and cache.policy.trims:
                 # only the tail that is needed goes; the head stays cached as a leaf
