@@ -45,9 +45,10 @@ class HostKVPool:
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool) -> None:
         self.size = size
-        self.buffer = torch.empty((size, num_layers, 2, num_kv_heads, head_dim), dtype=dtype)
-        if pin:
-            _pin(self.buffer)
+        shape = (size, num_layers, 2, num_kv_heads, head_dim)
+        self.buffer = torch.empty(shape, dtype=dtype)
+        if pin and not _pin(self.buffer):
+            self.buffer = torch.empty(shape, dtype=dtype, pin_memory=True)
 
     @staticmethod
     def tokens_for(config: EngineConfig, device_tokens: int, bytes_per_token: int) -> int:
@@ -183,17 +184,23 @@ class KVMover:
             v.index_copy_(0, index, staged[:, layer, 1])
 
 
-def _pin(buffer: torch.Tensor) -> None:
-    """Page-lock ``buffer`` where it lies. (``pin_memory=True`` goes through torch's caching
-    host allocator, which rounds a request up to a power of two: tens of GiB more.)"""
+def _pin(buffer: torch.Tensor) -> bool:
+    """Page-lock ``buffer`` where it lies; False when that is not available. (Allocating
+    with ``pin_memory=True`` goes through torch's caching host allocator, which may round
+    the size up to a power of two: tens of GiB more for a large tier.)"""
     started = time.perf_counter()
     nbytes = buffer.numel() * buffer.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    except (AttributeError, RuntimeError) as exc:
+        logger.warning("host KV tier: cudaHostRegister unavailable (%s); allocating pinned", exc)
+        return False
     if int(err) != 0:
         raise RuntimeError(f"could not pin {nbytes / 2**30:.1f} GiB for the host KV tier "
                            f"(cudaHostRegister: {err}); lower host_cache_ratio")
     logger.info("host KV tier: pinned %.1f GiB in %.1f s", nbytes / 2**30,
                 time.perf_counter() - started)
+    return True
 
 
 def _runs(blocks: list[int]) -> list[tuple[int, int, int]]:

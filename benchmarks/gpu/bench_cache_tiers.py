@@ -40,7 +40,7 @@ CONFIGS = {
     "adaptive-gpu": {"host_cache_ratio": 0},
 }
 # users, in flight, turns, system prompt, user message, answer (tokens)
-FULL = dict(users=192, in_flight=16, turns=6, system=256, message=256, answer=64)
+FULL = dict(users=128, in_flight=16, turns=6, system=1024, message=512, answer=32)
 QUICK = dict(users=12, in_flight=4, turns=3, system=32, message=16, answer=4)
 WORKING_SET_X = 4.0
 LOAD_LENGTHS = (128, 512, 2048, 8192, 32768)
