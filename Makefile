@@ -28,7 +28,7 @@ $(ENV_STAMP): $(ENV_INPUTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -r requirements.txt
 	$(BIN)/python -m pip install -q -e .
-	if [ -f clients/pyproject.toml ]; then $(BIN)/python -m pip install -q -e "clients/[openai]"; fi
+	if [ -f clients/pyproject.toml ]; then $(BIN)/python -m pip install -q -e "clients/[openai,test]"; fi
 	rm -f $(VENV)/.installed-*
 	touch $@
 
