@@ -68,11 +68,11 @@ RUN test -f /models/model_repository/preprocessing/1/model.py && \
 COPY docker/entrypoint.py /opt/radixlm/entrypoint.py
 
 # The OpenAI-compatible server (radixlm-openai: the client package with its "openai" extra),
-# which the Helm chart runs as a sidecar talking to tritonserver over gRPC; vllm-router (from
+# which the Helm chart runs as a sidecar talking to tritonserver over gRPC; sglang-router (from
 # docker/requirements-gpu.txt) lets the chart's router Deployment run from this image too.
 COPY clients/ /opt/radixlm/src/clients/
 RUN python3 -m pip install "/opt/radixlm/src/clients[openai]" && \
-    radixlm-openai --help >/dev/null && vllm-router --help >/dev/null
+    radixlm-openai --help >/dev/null && sglang-router launch --help >/dev/null
 
 # Engine settings applied by the entrypoint (docker/entrypoint.py) to the engine model's
 # config.pbtxt at start: the model folder, the GPU, one engine per visible GPU with two

@@ -9,7 +9,7 @@ HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT  ?= 8080
-# make replicas: REPLICAS servers (tritonserver + radixlm-openai each) behind vllm-router
+# make replicas: REPLICAS servers (tritonserver + radixlm-openai each) behind sglang-router
 REPLICAS     ?= 2
 ROUTER_PORT  ?= 8090
 ROUTER_POLICY ?= cache_aware
@@ -56,7 +56,7 @@ serve: env model
 	echo; echo "== serving: HTTP :$(HTTP_PORT)  gRPC :$(GRPC_PORT)  metrics :$(METRICS_PORT)  OpenAI :$(OPENAI_PORT)/v1  (Ctrl-C stops)"; \
 	wait $$server
 
-# The router (vllm-router) on ROUTER_PORT speaks the OpenAI API; Ctrl-C stops everything.
+# The router (sglang-router) on ROUTER_PORT speaks the OpenAI API; Ctrl-C stops everything.
 replicas: env model
 	$(BIN)/python scripts/replicas.py --replicas $(REPLICAS) --port $(ROUTER_PORT) \
 	    --policy $(ROUTER_POLICY)

@@ -1,4 +1,4 @@
-"""Replicas behind vllm-router: cache-aware routing against round-robin, and a replica killed.
+"""Replicas behind sglang-router: cache-aware routing against round-robin, and a replica killed.
 
     .venv/bin/python benchmarks/bench_replicas.py --replicas 2 --out docs/benchmarks
 
@@ -21,6 +21,7 @@ import platform
 import random
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -107,8 +108,19 @@ def measure(policy: str, args, requests, fault: bool = False) -> dict:
                                  on_half))
         if fault:  # traffic goes on to the others: a fresh request after the run
             result["after_fault_ok"] = _one_more(cluster.url)
+        else:  # where the work went: each replica's engine counters
+            result["per_replica"] = [_engine_counts(r.http_url) for r in cluster.members]
     print(policy, "fault" if fault else "", json.dumps(result), flush=True)
     return {"policy": policy, "fault": fault, **result}
+
+
+def _engine_counts(http_url: str) -> dict:
+    request = urllib.request.Request(f"http://{http_url}/v2/models/llm/generate",
+                                     data=json.dumps({"parameters": {"debug": "stats"}}).encode())
+    with urllib.request.urlopen(request, timeout=30) as response:
+        stats = json.loads(json.loads(response.read())["stats"])
+    return {"requests": stats["finished_requests"], "prompt_tokens": stats["prompt_tokens"],
+            "cached_tokens": stats["cache_hit_tokens"]}
 
 
 def _one_more(url: str) -> bool:
@@ -146,12 +158,12 @@ def main() -> None:
         results.append(measure("cache_aware", args, requests, fault=True))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs (shared), CPU-only, default model"
     report = {"workload": {k: v for k, v in vars(args).items() if k != "out"},
-              "machine": machine, "router": "vllm-router 0.1.17", "results": results}
+              "machine": machine, "router": "sglang-router 0.3.2", "results": results}
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"replicas_{args.replicas}_cpu"
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / f"{name}.md").write_text(
-        f"# {args.replicas} replicas behind vllm-router ({machine})\n\n"
+        f"# {args.replicas} replicas behind sglang-router ({machine})\n\n"
         f"{args.tenants} tenants x {args.questions} questions, system prompts of {args.words} "
         f"words, interleaved, {args.concurrency} at a time, {args.max_tokens} output tokens; "
         f"KV pool of 16,384 tokens per replica.\n\n{table(results, args)}\n")

@@ -1,13 +1,14 @@
-"""N replicas (tritonserver + radixlm-openai each) behind vllm-router, on one machine.
+"""N replicas (tritonserver + radixlm-openai each) behind sglang-router, on one machine.
 
     .venv/bin/python scripts/replicas.py --replicas 2 --policy cache_aware --port 8080
 
-The router (vllm-router, from PyPI) sends each request to the replica whose radix cache
+The router (sglang-router, from PyPI) sends each request to the replica whose radix cache
 most likely holds its prefix (``cache_aware``: an approximate prefix tree of the text each
-replica was sent, load-balanced when the replicas' loads drift apart) or in turn
-(``round_robin``). It checks every replica's ``/health`` and takes a failing one out of
-rotation. Ctrl-C (or SIGTERM) stops everything. ``Cluster`` is the same thing as a
-context manager, for tests and benchmarks.
+replica was sent; a prefix it has not seen goes to the least-loaded replica, and all go by
+load once the loads drift far apart) or in turn (``round_robin``). It checks every
+replica's ``/health`` and takes a failing one out of rotation; a request that fails on a
+replica before any answer is retried on another. Ctrl-C (or SIGTERM) stops everything.
+``Cluster`` is the same thing as a context manager, for tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -145,14 +146,14 @@ class Cluster:
         self.port = self.port or free_ports(1)[0]
         ports = free_ports(1)
         log = self.log_dir / "router.log"
-        command = [str(BIN / "vllm-router"), "--host=127.0.0.1", f"--port={self.port}",
+        command = [str(BIN / "sglang-router"), "launch", "--host=127.0.0.1", f"--port={self.port}",
                    f"--policy={self.policy}", "--worker-urls", *[r.url for r in self.members],
                    f"--health-check-interval-secs={self.health_interval_s}",
                    "--health-failure-threshold=1", "--health-check-timeout-secs=2",
-                   f"--prometheus-port={ports[0]}", "--log-level=warning"]
+                   f"--prometheus-port={ports[0]}", "--log-level=warn"]
         self.router = _spawn(command, log)
         self.url = f"http://127.0.0.1:{self.port}"
-        _wait(self.url + "/v1/models", [self.router], "vllm-router", log)
+        _wait(self.url + "/readiness", [self.router], "sglang-router", log)
 
     def stop(self) -> None:
         if self.router is not None:
@@ -175,8 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--policy", default="cache_aware",
-                        choices=["cache_aware", "round_robin", "power_of_two", "consistent_hash",
-                                 "random"])
+                        choices=["cache_aware", "round_robin", "power_of_two", "random"])
     parser.add_argument("--port", type=int, default=8080, help="the router's port")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)

@@ -1,4 +1,4 @@
-"""Two replicas (tritonserver + radixlm-openai) behind vllm-router, and one of them dying.
+"""Two replicas (tritonserver + radixlm-openai) behind sglang-router, and one of them dying.
 
 The router checks each replica's /health every second; a killed replica's in-flight
 requests must end with an error (not hang), and traffic must go on to the other one.
