@@ -130,7 +130,7 @@ def _one_more(url: str) -> bool:
     return answer.choices[0].finish_reason in ("stop", "length")
 
 
-def table(results: list[dict], args) -> str:
+def table(results: list[dict]) -> str:
     lines = ["| policy | requests ok / errors | hit rate | requests/s | prompt tokens/s | seconds |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
@@ -138,6 +138,30 @@ def table(results: list[dict], args) -> str:
         lines.append(f"| {name} | {r['ok']} / {r['errors']} | {r['hit_rate']:.1%} | "
                      f"{r['requests_per_s']:.2f} | {r['prompt_tokens_per_s']:.0f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> None:
+    w, results = report["workload"], report["results"]
+    name = f"replicas_{w['replicas']}_cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    requests = w["tenants"] * w["questions"]
+    text = [f"# {w['replicas']} replicas behind {report['router']} ({report['machine']})", "",
+            f"{w['tenants']} tenants x {w['questions']} questions, system prompts of {w['words']} "
+            f"words (~1,270 tokens), interleaved, {w['concurrency']} at a time, {w['max_tokens']} "
+            "output tokens; a KV pool of 16,384 tokens per replica (the tenants' prompts need "
+            "~20,000). Fresh replicas for each row.", "", table(results), "",
+            f"Best possible hit rate: about {1 - w['tenants'] / requests:.1%} (each tenant's first "
+            "request misses). Round-robin sends every tenant to every replica, whose LRU caches "
+            "then churn; cache-aware routing kept each tenant on one replica."]
+    fault = next((r for r in results if r["fault"]), None)
+    if fault is not None:
+        text += ["", "Fault row: one replica's servers were SIGKILLed when the second half of the "
+                 f"requests began; {fault['ok']} requests were answered and {fault['errors']} ended "
+                 "with an error (the router retries a request that fails before any answer on "
+                 "another replica), none hung, and a new request after the run was "
+                 f"{'answered' if fault.get('after_fault_ok') else 'NOT answered'}."]
+    (out / f"{name}.md").write_text("\n".join(text) + "\n")
 
 
 def main() -> None:
@@ -151,24 +175,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-fault", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--from-json", type=Path, help="only rewrite the report from this JSON")
     args = parser.parse_args()
+    if args.from_json:
+        write_report(json.loads(args.from_json.read_text()), args.out)
+        return
     requests = workload(args.tenants, args.questions, args.words, args.seed)
     results = [measure(policy, args, requests) for policy in ("round_robin", "cache_aware")]
     if not args.skip_fault:
         results.append(measure("cache_aware", args, requests, fault=True))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs (shared), CPU-only, default model"
-    report = {"workload": {k: v for k, v in vars(args).items() if k != "out"},
+    report = {"workload": {k: v for k, v in vars(args).items() if k not in ("out", "from_json")},
               "machine": machine, "router": "sglang-router 0.3.2", "results": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"replicas_{args.replicas}_cpu"
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"{name}.md").write_text(
-        f"# {args.replicas} replicas behind sglang-router ({machine})\n\n"
-        f"{args.tenants} tenants x {args.questions} questions, system prompts of {args.words} "
-        f"words, interleaved, {args.concurrency} at a time, {args.max_tokens} output tokens; "
-        f"KV pool of 16,384 tokens per replica.\n\n{table(results, args)}\n")
-    print(table(results, args))
-
+    write_report(report, args.out)
+    print(table(results))
 
 if __name__ == "__main__":
     main()
