@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -100,7 +101,11 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--server-pidfile", default=None,
+                    help="write the server's process group id here while it runs")
     args = ap.parse_args(argv)
+    # `timeout` sends SIGTERM: unwind through `finally` so that both servers are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
         args.streams, args.output_len, args.rounds = 4, 16, 2
     device = "cuda" if args.device.startswith("cuda") else "cpu"
@@ -108,6 +113,8 @@ def main(argv=None) -> int:
     repo = T.make_repository(tmp / "repo", args.model, device,
                              "bfloat16" if device == "cuda" else "float32", {})
     server = T.Server(args.server_python, repo, tmp / "server.log")
+    if args.server_pidfile:
+        Path(args.server_pidfile).write_text(str(server.proc.pid))
     openai_proc = None
     try:
         server.wait_ready(600)
