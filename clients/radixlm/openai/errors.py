@@ -44,17 +44,21 @@ def server_error(message: str) -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, None)
 
 
+# pydantic's labels of union members in a location ("str", "list[str]", "function-after[...]"):
+# no field of the request models is named like them.
+_TYPE_LABELS = {"str", "int", "float", "bool", "dict", "none", "nullable"}
+
+
 def _field_path(loc: tuple) -> str | None:
     """pydantic's location ("body", "messages", 0, "content") as OpenAI's ``messages[0].content``."""
-    parts = [p for p in loc if p != "body"]
     path = ""
-    for part in parts:
+    for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif "[" in str(part) or "-" in str(part) or "(" in str(part):
-            continue  # pydantic's union-member labels: not part of the field's path
+        elif part == "body" or part in _TYPE_LABELS or any(c in part for c in "[(-"):
+            continue
         else:
-            path += f".{part}" if path else str(part)
+            path += f".{part}" if path else part
     return path or None
 
 
