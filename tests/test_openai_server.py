@@ -146,6 +146,24 @@ def test_forced_tool_call_arguments_validate_against_the_tools_schema(client, ch
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
+@pytest.mark.parametrize("choice", [
+    {"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_streamed_tool_calls_assemble_into_arguments_that_validate(client, choice):
+    events = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False, max_tokens=80,
+        temperature=0.7, seed=3, stream=True)
+    names, arguments, reasons = [], [], []
+    for event in events:
+        choice_ = event.choices[0]
+        for call in choice_.delta.tool_calls or ():
+            names += [call.function.name] if call.function.name else []
+            arguments.append(call.function.arguments or "")
+        reasons += [choice_.finish_reason] if choice_.finish_reason else []
+    assert names == ["get_weather"] and reasons == ["tool_calls"]
+    jsonschema.validate(json.loads("".join(arguments)), WEATHER["function"]["parameters"])
+
+
 def test_repeated_long_system_prompt_is_served_from_the_radix_cache(client):
     system = "You are the support assistant of a bakery. " * 40
     counts = []

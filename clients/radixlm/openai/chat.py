@@ -56,6 +56,29 @@ async def _choice(engine: Engine, body: ChatCompletionRequest, plan: tools.ToolP
             "logprobs": await _logprobs(engine, body, sample.logprobs), "finish_reason": reason}
 
 
+def _whole_delta(plan: tools.ToolPlan, sample: Sample, chunk) -> tuple[dict, str, list]:
+    """The one delta of a held answer: its calls (or its text) once it has ended."""
+    message, reason = _message_and_reason(plan, "".join(sample.text),
+                                          finish_reason(chunk.finish_reason))
+    delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(delta["tool_calls"])]
+    return delta, reason, sample.logprobs
+
+
+def _piece_delta(plan: tools.ToolPlan, chunk) -> tuple[dict, str | None, list]:
+    """A streamed piece: text, or the next piece of a named call's arguments."""
+    reason = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
+    delta: dict = {}
+    if plan.mode == "named":
+        reason = "tool_calls" if reason == "stop" else reason
+        if chunk.text:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": chunk.text}}]}
+    elif chunk.text:
+        delta = {"content": chunk.text}
+    return delta, reason, chunk.logprobs or []
+
+
 async def _chunks(engine: Engine, body: ChatCompletionRequest, plan: tools.ToolPlan, flow,
                   head: dict) -> AsyncIterator[str]:
     """The SSE events. A forced call of a named function streams its arguments as they
@@ -86,23 +109,8 @@ async def _chunks(engine: Engine, body: ChatCompletionRequest, plan: tools.ToolP
             sample.add(chunk)
             if held and not chunk.finish_reason:
                 continue
-            delta: dict = {}
-            if held:
-                message, reason = _message_and_reason(plan, "".join(sample.text),
-                                                      finish_reason(chunk.finish_reason))
-                delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-                if "tool_calls" in delta:
-                    delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(delta["tool_calls"])]
-                items = sample.logprobs
-            else:
-                reason = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
-                if plan.mode == "named":
-                    reason = "tool_calls" if reason == "stop" else reason
-                    if chunk.text:
-                        delta = {"tool_calls": [{"index": 0, "function": {"arguments": chunk.text}}]}
-                elif chunk.text:
-                    delta = {"content": chunk.text}
-                items = chunk.logprobs or []
+            delta, reason, items = (_whole_delta(plan, sample, chunk) if held
+                                    else _piece_delta(plan, chunk))
             logprobs = await _logprobs(engine, body, items) if items else None
             if delta or logprobs or reason:
                 yield event(chunk.index, delta, logprobs, reason)
