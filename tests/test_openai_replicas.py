@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, ensure_default_model
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tools"))
 from replicas import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Structured decoding through the engine (issue 5), on the default model (real Qwen2
+"""Structured decoding through the engine, on the default model (real Qwen2
 tokenizer, random weights), float32 on CPU.
 
 Every constrained output must parse and conform: JSON schemas (checked with ``jsonschema``),
@@ -424,7 +424,7 @@ def test_jump_forward_off_outputs_validate(no_jf_greedy, name):
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_greedy_with_jump_forward_equals_without(big_batch, no_jf_greedy, engine, name):
-    """Issue 5's check, token ids and text: forced text becomes the same tokens either
+    """Token ids and text: forced text becomes the same tokens either
     way; jump-forward only computes them in one extend step instead of one step each."""
     on, off = big_batch["outputs"][f"schema-{name}-greedy"], no_jf_greedy[name]
     if on.token_ids != off.token_ids:

@@ -1,5 +1,5 @@
 """to_device's pinned staging ring, run on the CPU with a stand-in for CUDA events (the
-GPU check is scripts/check_kernels_gpu.py)."""
+GPU check is tools/check_kernels_gpu.py)."""
 from __future__ import annotations
 
 import random

@@ -170,7 +170,7 @@ for _d in (32, 256):
     CASES[f"extend-d{_d}"] = (_compare, dict(prefix_lens=[0, 12], ext_lens=[5, 18], h=2, kvh=1, d=_d, seed=_d))
     CASES[f"decode-d{_d}"] = (_compare, dict(prefix_lens=[0, 40], ext_lens=[1, 1], h=2, kvh=1, d=_d, seed=_d))
 # fp16 pools: fp32 accumulation keeps the error at output rounding. bf16 is left to
-# scripts/check_kernels_gpu.py: the interpreter's tl.dot multiplies bf16 operands as
+# tools/check_kernels_gpu.py: the interpreter's tl.dot multiplies bf16 operands as
 # their raw uint16 bit patterns.
 for _d in (96, 128):
     CASES[f"extend-fp16-d{_d}"] = (_compare, dict(prefix_lens=[3, 0], ext_lens=[9, 20], h=4, kvh=2, d=_d,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite, by phase:  bash benchmarks/gpu/run_all.sh PHASE [PHASE ...]
 #
-#   check      environment (imports, server pieces), scripts/check_kernels_gpu.py, and the
+#   check      environment (imports, server pieces), tools/check_kernels_gpu.py, and the
 #              engine smoke test (smoke.py: CUDA-graph tokens == eager tokens on llama-1b)
 #   engine     bench_engine.py, default configuration: llama-1b, llama-8b, then the default
 #              model (offline + prefix)
@@ -11,14 +11,14 @@
 #              sharing one engine process
 #   openai     bench_openai_overhead.py: 32 streams straight over gRPC against the same
 #              through radixlm-openai (SSE), one server (BENCH_OPENAI_MODEL, default llama-8b)
-#   report     report.py: docs/benchmarks/{README.md,results.json,*.png} from
-#              benchmarks/gpu/results/*.jsonl (run it here, not on the GPU machine)
+#   report     report.py: docs/benchmarks/{README.md,*.png} from the published runs in
+#              docs/benchmarks/runs/ (run it here, after publish.py; see README.md)
 #
 # Every step is its own process under `timeout`; a failing step is logged and the next one
 # runs. The phases of one invocation share BENCH_DEADLINE_S (default 480 s): each step gets
 # a share of what is left, passed to the script as --budget-s; the script records the items
-# that do not fit as "skipped". Items already measured (status ok) in
-# benchmarks/gpu/results/*.jsonl or in this run's results are skipped (resume), unless
+# that do not fit as "skipped". Items already measured (status ok) in the raw results
+# benchmarks/gpu/results/*.jsonl (git-ignored) or in this run's are skipped (resume), unless
 # BENCH_FRESH=1 (then only this run's results count). BENCH_ONLY=REGEX runs only the steps
 # whose name ("engine llama-1b", "hf llama-8b", "overlap-off llama-1b", ...) matches;
 # BENCH_ENGINE_MODES / BENCH_TRITON_MODES narrow the engine and triton steps' --modes.
@@ -140,8 +140,8 @@ print('  server python', sys.version.split()[0], 'numpy', numpy.__version__, 'st
       | grep -E "not found|libpython" || true
   fi
   if [ "$QUICK" != 1 ]; then
-    step kernels "$(cap "$(share 3 3)" 150)" "$PY" scripts/check_kernels_gpu.py
-    if (( LAST_RC == 0 )); then note kernels ok "scripts/check_kernels_gpu.py passed (tables in log.txt)"; fi
+    step kernels "$(cap "$(share 3 3)" 150)" "$PY" tools/check_kernels_gpu.py
+    if (( LAST_RC == 0 )); then note kernels ok "tools/check_kernels_gpu.py passed (tables in log.txt)"; fi
   fi
   step smoke "$(cap "$(share 3 0)" 150)" "$PY" benchmarks/gpu/smoke.py --model "$S/$SMOKE_MODEL" "${DEV[0]}" "${DEV[1]}" "${R[@]}"
 }
