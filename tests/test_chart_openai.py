@@ -1,7 +1,7 @@
 """The chart's OpenAI sidecar and its router (sglang-router with Kubernetes service discovery).
 
-Rendered with ``helm template`` when helm is on PATH, else with deploy/render_chart.py;
-every object is validated against the Kubernetes 1.30 schemas.
+Rendered by ``helm template`` (the helm `make env` installs next to the interpreter, else
+one on PATH); every object is validated against the Kubernetes 1.30 schemas.
 """
 from __future__ import annotations
 
@@ -19,16 +19,26 @@ CHART = ROOT / "deploy" / "helm" / "radixlm"
 ON = {"openai": {"enabled": True}, "router": {"enabled": True}}
 
 
-def render(values: dict, release: str = "prod", namespace: str = "llm") -> list[dict]:
-    if shutil.which("helm"):
-        command = ["helm", "template", release, str(CHART), "--namespace", namespace, "-f", "-"]
-        out = subprocess.run(command, input=yaml.safe_dump(values), capture_output=True,
-                             text=True, check=True).stdout
-        return [o for o in yaml.safe_load_all(out) if o]
-    sys.path.insert(0, str(ROOT / "deploy"))
-    import render_chart
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory) -> list[str]:
+    beside = Path(sys.executable).parent / "helm"
+    binary = str(beside) if beside.exists() else shutil.which("helm")
+    if binary is None:
+        pytest.fail("no helm: `make env` installs it into .venv/bin (tools/install_helm.sh)")
+    home = tmp_path_factory.mktemp("helm")
+    return [binary, str(home)]
 
-    return render_chart.render_manifests(CHART, values, release_name=release, namespace=namespace)
+
+def render(helm: list[str], values: dict, release: str = "prod", namespace: str = "llm") -> list[dict]:
+    binary, home = helm
+    env = {"PATH": "/usr/bin:/bin", "HOME": home, "HELM_CACHE_HOME": f"{home}/cache",
+           "HELM_CONFIG_HOME": f"{home}/config", "HELM_DATA_HOME": f"{home}/data"}
+    proc = subprocess.run([binary, "template", release, str(CHART), "--namespace", namespace,
+                           "-f", "-"], input=yaml.safe_dump(values), capture_output=True,
+                          text=True, env=env, timeout=60)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip() or proc.stdout.strip())
+    return [o for o in yaml.safe_load_all(proc.stdout) if o]
 
 
 def by_name(objects: list[dict]) -> dict[tuple[str, str], dict]:
@@ -36,8 +46,8 @@ def by_name(objects: list[dict]) -> dict[tuple[str, str], dict]:
 
 
 @pytest.fixture(scope="module")
-def objects() -> dict[tuple[str, str], dict]:
-    rendered = render(ON)
+def objects(helm) -> dict[tuple[str, str], dict]:
+    rendered = render(helm, ON)
     for obj in rendered:
         if obj["kind"] != "ServiceMonitor":  # a CRD: tests/test_deploy.py checks it
             kubernetes_validate.validate(obj, "1.30.0", strict=True)
@@ -108,13 +118,23 @@ def test_the_router_service_is_the_releases_openai_endpoint(objects):
     assert service["spec"]["ports"][0]["targetPort"] == "http"
 
 
-def test_without_the_openai_api_there_is_no_sidecar_and_no_router():
-    rendered = by_name(render({"openai": {"enabled": False}, "router": {"enabled": True}}))
+def test_without_the_openai_api_there_is_no_sidecar_and_no_router(helm):
+    rendered = by_name(render(helm, {"openai": {"enabled": False}, "router": {"enabled": True}}))
     server = rendered[("Deployment", "prod-radixlm")]
     assert [c["name"] for c in server["spec"]["template"]["spec"]["containers"]] == ["tritonserver"]
     assert not any(name.endswith("-router") for _, name in rendered)
 
 
-def test_the_values_schema_refuses_an_unknown_routing_policy():
-    with pytest.raises(Exception, match="policy|least_busy"):
-        render({**ON, "router": {"enabled": True, "policy": "least_busy"}})
+def test_the_values_schema_refuses_an_unknown_routing_policy(helm):
+    with pytest.raises(RuntimeError, match="policy"):
+        render(helm, {**ON, "router": {"enabled": True, "policy": "least_busy"}})
+
+
+def test_helm_lint_passes_strictly_with_the_sidecar_and_router(helm):
+    binary, home = helm
+    values = Path(home) / "on.yaml"
+    values.write_text(yaml.safe_dump(ON))
+    proc = subprocess.run([binary, "lint", "--strict", str(CHART), "-f", str(values)],
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HOME": home})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
