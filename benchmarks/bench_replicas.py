@@ -146,11 +146,13 @@ def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     requests = w["tenants"] * w["questions"]
+    prompt_len = results[0]["prompt_tokens"] // requests
     text = [f"# {w['replicas']} replicas behind {report['router']} ({report['machine']})", "",
             f"{w['tenants']} tenants x {w['questions']} questions, system prompts of {w['words']} "
-            f"words (~1,270 tokens), interleaved, {w['concurrency']} at a time, {w['max_tokens']} "
-            "output tokens; a KV pool of 16,384 tokens per replica (the tenants' prompts need "
-            "~20,000). Fresh replicas for each row.", "", table(results), "",
+            f"words (prompts of ~{prompt_len:,} tokens), interleaved, {w['concurrency']} at a "
+            f"time, {w['max_tokens']} output tokens; a KV pool of 16,384 tokens per replica (the "
+            f"tenants' prompts need ~{w['tenants'] * prompt_len:,}). Fresh replicas for each row.",
+            "", table(results), "",
             f"Best possible hit rate: about {1 - w['tenants'] / requests:.1%} (each tenant's first "
             "request misses). Round-robin sends every tenant to every replica, whose LRU caches "
             "then churn; cache-aware routing kept each tenant on one replica."]
