@@ -19,6 +19,7 @@ from replicas import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
+PROMPTS = ("Alpine glaciers, a long account.", "Zebra migrations: tell all of it.")
 LONG = dict(model="llm", max_tokens=3000, temperature=0, stream=True,
             extra_body={"ignore_eos": True})
 
@@ -26,8 +27,7 @@ LONG = dict(model="llm", max_tokens=3000, temperature=0, stream=True,
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     ensure_default_model()
-    # round_robin: the two long streams below land on different replicas, one on each
-    with Cluster(replicas=2, policy="round_robin", models=("llm",),
+    with Cluster(replicas=2, policy="cache_aware", models=("llm",),
                  log_dir=tmp_path_factory.mktemp("replicas")) as started:
         yield started
 
@@ -47,6 +47,19 @@ def test_the_router_serves_completions_and_streams_from_the_replicas(cluster):
     assert [e.choices[0].finish_reason for e in events if e.choices[0].finish_reason] == ["length"]
 
 
+def test_cache_aware_routing_keeps_a_tenant_on_the_replica_that_cached_it(cluster):
+    client = _client(cluster)
+    system = "Quarterly ledger rules of the tenant Kestrel. " * 30
+    cached = []
+    for question in range(4):
+        answer = client.chat.completions.create(
+            model="llm", max_tokens=2, messages=[{"role": "system", "content": system},
+                                                 {"role": "user", "content": f"Rule {question}?"}])
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+    # round-robin would send the second request to the other replica's empty cache
+    assert cached[0] < 100 and all(c > 300 for c in cached[1:]), cached
+
+
 def test_a_killed_replica_fails_its_streams_and_traffic_goes_on_to_the_other(cluster):
     client = _client(cluster)
     outcomes: dict[int, str] = {}
@@ -55,8 +68,10 @@ def test_a_killed_replica_fails_its_streams_and_traffic_goes_on_to_the_other(clu
 
     def stream(i: int) -> None:
         try:
+            # prompts with nothing in common: the router sends the second one to the
+            # replica with the fewer requests in flight, the other one
             events = client.chat.completions.create(
-                messages=[{"role": "user", "content": f"Story number {i}"}], **LONG)
+                messages=[{"role": "user", "content": PROMPTS[i]}], **LONG)
             with events:
                 for _ in events:
                     started[i].set()
@@ -70,7 +85,7 @@ def test_a_killed_replica_fails_its_streams_and_traffic_goes_on_to_the_other(clu
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(2)]
     for thread in threads:
         thread.start()
-        time.sleep(0.5)  # in order: round-robin puts them on different replicas
+        time.sleep(0.5)  # in order: the second goes to the replica without a stream
     assert all(event.wait(60) for event in started)
     cluster.members[1].kill()
     deadline = time.monotonic() + 60
