@@ -207,9 +207,10 @@ def _pins(path: Path) -> dict[str, str]:
     return pins
 
 
-# Pinned in requirements.txt but deliberately not in the serving image.
+# Pinned in requirements.txt but deliberately not in the serving image (tqdm: the client
+# library's progress bar).
 NOT_IN_IMAGE = {"pytest", "pytest-timeout", "hypothesis", "jsonschema", "kubernetes-validate",
-                "matplotlib", "nvidia-pytriton", "tritonclient"}
+                "matplotlib", "nvidia-pytriton", "tritonclient", "tqdm"}
 
 
 def test_image_requirements_follow_the_repository_pins():
