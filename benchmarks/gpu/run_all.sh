@@ -9,6 +9,8 @@
 #   triton     bench_triton.py: the engine behind tritonserver over gRPC streaming
 #   instances  the same with BENCH_INSTANCES (default "2 4") Triton instances of the model
 #              sharing one engine process
+#   openai     bench_openai_overhead.py: 32 streams straight over gRPC against the same
+#              through radixlm-openai (SSE), one server (BENCH_OPENAI_MODEL, default llama-8b)
 #   report     report.py: docs/benchmarks/{README.md,*.png} from the published runs in
 #              docs/benchmarks/runs/ (run it here, after publish.py; see README.md)
 #
@@ -217,6 +219,17 @@ phase_instances() {  # the triton rows again with N model instances in front of 
   done
 }
 
+phase_openai() {  # the OpenAI layer's cost against direct gRPC streaming
+  local m="${BENCH_OPENAI_MODEL:-llama-8b}" b
+  [ "$QUICK" = 1 ] && m=default
+  b=$(share 1 0)
+  PYTHONPATH="$CLIENT_PYTHONPATH" step "openai $m" "$b" "$PY" benchmarks/gpu/bench_openai_overhead.py \
+    --model "$S/$m" "${DEV[@]}" "${R[@]}" --budget-s "$b" \
+    --server-python "$RADIXLM_SERVER_PYTHON" --openai-python "$PY" \
+    --server-pidfile "$SERVER_PIDFILE"
+  kill_leftover_server
+}
+
 for PHASE in "$@"; do
   echo "=== phase $PHASE at +$((SECONDS - T0))s ($(left)s left)"
   case "$PHASE" in
@@ -225,6 +238,7 @@ for PHASE in "$@"; do
     baselines) phase_baselines ;;
     triton) phase_triton ;;
     instances) phase_instances ;;
+    openai) phase_openai ;;
     report) "${BENCH_REPORT_PY:-$PY}" benchmarks/gpu/report.py ;;
     *) echo "unknown phase $PHASE (check engine baselines triton report)" ;;
   esac
