@@ -13,6 +13,8 @@
 #              working set 4x the GPU cache, host tier vs GPU-only LRU; load vs recompute
 #              by prefix length), then bench_engine's prefix and offline rows with the host
 #              tier on and off (same call otherwise)
+#   openai     bench_openai_overhead.py: 32 streams straight over gRPC against the same
+#              through radixlm-openai (SSE), one server (BENCH_OPENAI_MODEL, default llama-8b)
 #   report     report.py: docs/benchmarks/{README.md,*.png} from the published runs in
 #              docs/benchmarks/runs/ (run it here, after publish.py; see README.md)
 #
@@ -238,6 +240,17 @@ phase_cache() {  # per model: tiers bench (weight 5), then tier on and off (3 ea
   done
 }
 
+phase_openai() {  # the OpenAI layer's cost against direct gRPC streaming
+  local m="${BENCH_OPENAI_MODEL:-llama-8b}" b
+  [ "$QUICK" = 1 ] && m=default
+  b=$(share 1 0)
+  PYTHONPATH="$CLIENT_PYTHONPATH" step "openai $m" "$b" "$PY" benchmarks/gpu/bench_openai_overhead.py \
+    --model "$S/$m" "${DEV[@]}" "${R[@]}" --budget-s "$b" \
+    --server-python "$RADIXLM_SERVER_PYTHON" --openai-python "$PY" \
+    --server-pidfile "$SERVER_PIDFILE"
+  kill_leftover_server
+}
+
 for PHASE in "$@"; do
   echo "=== phase $PHASE at +$((SECONDS - T0))s ($(left)s left)"
   case "$PHASE" in
@@ -247,8 +260,9 @@ for PHASE in "$@"; do
     triton) phase_triton ;;
     instances) phase_instances ;;
     cache) phase_cache ;;
+    openai) phase_openai ;;
     report) "${BENCH_REPORT_PY:-$PY}" benchmarks/gpu/report.py ;;
-    *) echo "unknown phase $PHASE (check engine baselines triton instances cache report)" ;;
+    *) echo "unknown phase $PHASE (check engine baselines triton instances cache openai report)" ;;
   esac
 done
 kill_leftover_server
