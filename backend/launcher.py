@@ -6,7 +6,8 @@ Before exec-ing it we assemble a backend directory under ``build/triton_backends
     build/triton_backends/
       python/   libtriton_python.so, triton_python_backend_utils.py,
                 triton_python_backend_stub (the stub built for this Python version)
-      radixlm/  model.py -> backend/model.py   (models select it with backend: "radixlm")
+      radixlm/  model.py: one import of backend.model (models select it with
+                backend: "radixlm"; the stub finds the installed package, see below)
 
 and fix the environment the stub needs: it ignores PYTHONPATH and imports from the
 site-packages of the first ``python3`` on PATH, so this environment's ``bin/`` goes first
@@ -83,15 +84,19 @@ def _copy(source: Path, dest: Path) -> None:
     shutil.copy2(source, dest)
 
 
-def _link(target: Path, link: Path) -> None:
-    """Make ``link`` a symlink to ``target``, replacing whatever was there."""
-    if link.is_symlink() and Path(os.readlink(link)) == target:
-        return
-    if link.is_dir() and not link.is_symlink():
-        shutil.rmtree(link)
-    elif link.exists() or link.is_symlink():
-        link.unlink()
-    link.symlink_to(target)
+# Triton loads a Python-based backend from <backend dir>/<name>/model.py; the backend
+# itself is the installed ``backend`` package, which the stub imports from the venv's
+# site-packages (no symlink into the source tree, no sys.path edit).
+SHIM = ('"""The radixlm Python-based backend for Triton (written by radixlm-serve): the '
+        'model class\nis backend/model.py of the installed radixlm-server package."""\n'
+        'from backend.model import TritonPythonModel  # noqa: F401\n')
+
+
+def _write_shim(path: Path) -> None:
+    if path.is_symlink() or path.is_dir():
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    if not path.exists() or path.read_text() != SHIM:
+        path.write_text(SHIM)
 
 
 def assemble_backend_dir(files: ServerFiles, out_dir: Path, model_py: Path) -> Path:
@@ -108,8 +113,8 @@ def assemble_backend_dir(files: ServerFiles, out_dir: Path, model_py: Path) -> P
     _copy(files.python_backend / "triton_python_backend_utils.py",
           python_dir / "triton_python_backend_utils.py")
     _copy(files.stub, python_dir / "triton_python_backend_stub")
-    # A symlink, so edits to backend/model.py take effect on the next model load.
-    _link(model_py, ours_dir / "model.py")
+    # An import, so edits to backend/model.py take effect on the next model load.
+    _write_shim(ours_dir / "model.py")
     return out_dir
 
 

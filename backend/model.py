@@ -20,31 +20,26 @@ import dataclasses
 import gc
 import json
 import os
-import signal
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import wire
-from backend.core import Engine
-from backend.engine_process import EngineProcess, open_shared
+from backend.engine_process import EngineProcess
 from backend.metrics import EngineMetrics
+from backend.model_config import (PROJECT_ROOT, engine_config_from_parameters,
+                                  engine_process_wanted, instances_on_device, read_model_info)
+from backend.server_lifecycle import (parent_ready_url, server_not_ready, stop_tritonserver,
+                                      watch_stop_signals)
 from backend.serving import EngineLoop
-from backend.wire import PROJECT_ROOT, engine_config_from_parameters, read_model_info
+from backend.shared_engine import open_shared
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 ON_ENGINE_FAILURE = "RADIXLM_ON_ENGINE_FAILURE"  # "shutdown" (default) or "serve_errors"
-# "1": a request with parameter debug="fail_engine_loop" kills the engine loop (tests of
-# the failure path; never set it in production).
-FAULT_INJECTION = "RADIXLM_FAULT_INJECTION"
-FAIL_ENGINE_LOOP = "fail_engine_loop"
 
 
 class TritonResponseSink:
@@ -125,86 +120,6 @@ class TritonMetricFactory:
         self._families.clear()
 
 
-def stop_tritonserver(logger) -> None:
-    """SIGTERM to tritonserver, the stub's parent: it stops serving (readiness fails at
-    once), unloads the models and exits."""
-    parent = os.getppid()
-    try:
-        name = Path(f"/proc/{parent}/comm").read_text().strip()
-    except OSError:
-        name = "?"
-    if name != "tritonserver":
-        logger.log_error(f"radixlm: the stub's parent is {name!r} (pid {parent}), not "
-                         "tritonserver: not stopping it")
-        return
-    logger.log_error(f"radixlm: stopping tritonserver (pid {parent}) so that it is restarted")
-    os.kill(parent, signal.SIGTERM)
-
-
-def parent_ready_url(pid: int | None = None) -> str | None:
-    """tritonserver's HTTP readiness URL, from the flags of the stub's parent
-    (``--http-port``, ``--allow-http``; Triton's default port 8000); None when the parent
-    is not tritonserver or serves no HTTP."""
-    pid = pid or os.getppid()
-    try:
-        if Path(f"/proc/{pid}/comm").read_text().strip() != "tritonserver":
-            return None
-        args = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-    except OSError:
-        return None
-    flags: dict[str, str] = {}
-    for i, arg in enumerate(args):
-        if arg.startswith("--"):
-            key, eq, value = arg[2:].partition("=")
-            if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value = args[i + 1]
-            flags[key.replace("_", "-")] = value
-    if flags.get("allow-http", "true").lower() in ("false", "0", "no", "off"):
-        return None
-    return f"http://127.0.0.1:{flags.get('http-port', '8000')}/v2/health/ready"
-
-
-def server_not_ready(url: str, timeout_s: float = 2.0) -> bool:
-    """True when tritonserver says it is not ready (shutting down) or no longer
-    answers; False when ready or when the answer did not come in time."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
-            return answer.status != 200
-    except urllib.error.HTTPError:
-        return True  # "Server not ready"
-    except (urllib.error.URLError, ConnectionError) as exc:
-        return not isinstance(getattr(exc, "reason", None), TimeoutError)
-    except TimeoutError:
-        return False
-
-
-def watch_stop_signals() -> threading.Event | None:
-    """An event set when this process gets SIGTERM or SIGINT; None where handlers cannot
-    be installed (only the main thread may).
-
-    Why: on shutdown tritonserver neither cancels in-flight decoupled requests nor calls
-    ``finalize`` before each has sent its final response, so a long stream would hold the
-    server up. The Python backend stub shares tritonserver's process group, so Ctrl-C or
-    ``kill -TERM -<pgid>`` reaches it too. Its main thread sits in C++ (a Python handler
-    would run late), so the signal is read from a wakeup fd by a watcher thread.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    stopping = threading.Event()
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: None)  # the stub keeps running until finalize
-    signal.set_wakeup_fd(write_fd)
-
-    def watch() -> None:
-        while os.read(read_fd, 64):
-            stopping.set()
-
-    threading.Thread(target=watch, name="radixlm-signal-watch", daemon=True).start()
-    return stopping
-
-
 def _read_inputs(request) -> dict[str, np.ndarray]:
     # one inputs() call: pb_utils.get_input_tensor_by_name rebuilds the request's whole
     # input list for every name it looks up
@@ -261,28 +176,10 @@ class TritonPythonModel:
         # read) could queue up to 5 ms behind a sender building a response. A short
         # interval bounds that wait.
         sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
-        instances = wire.instances_on_device(model_config, args.get("model_instance_kind", ""),
+        instances = instances_on_device(model_config, args.get("model_instance_kind", ""),
                                              int(args.get("model_instance_device_id") or 0))
-        if wire.engine_process_wanted(parameters, config.device, instances):
-            # its own process: the step loop never waits for this interpreter's lock
-            if instances > 1:
-                # every instance of this model on this device fronts one engine (one KV
-                # pool, one radix cache): see backend/engine_process.py
-                key = f"{os.getppid()}-{args['model_name']}-{args.get('model_version', '')}"
-                self.logger.log_info(f"radixlm: building or joining the engine of {key}: {config}")
-                self.engine = open_shared(config, key)
-            else:
-                self.logger.log_info(f"radixlm: building the engine: {config}")
-                self.engine = EngineProcess(config)
-            if self.engine.started_here:
-                self.logger.log_info(f"radixlm: the engine runs in process {self.engine.pid} "
-                                     f"({self.engine.python})")
-            else:
-                self.logger.log_info(f"radixlm: attached to the engine process {self.engine.pid}"
-                                     f" ({instances} instances share it)")
-        else:
-            self.logger.log_info(f"radixlm: building the engine: {config}")
-            self.engine = Engine(config)
+        key = f"{os.getppid()}-{args['model_name']}-{args.get('model_version', '')}"
+        self.engine, reports_gauges = self._open_engine(config, parameters, instances, key)
         self.model_name = args["model_name"]
         self.stop_signal = watch_stop_signals()
         self.server_ready_url = parent_ready_url()
@@ -297,10 +194,8 @@ class TritonPythonModel:
         self.metrics = None
         if self.metric_factory is not None:
             self.metrics = EngineMetrics(self.metric_factory, args["model_name"],
-                                         args["model_instance_name"],
-                                         gauges=getattr(self.engine, "started_here", True))
+                                         args["model_instance_name"], gauges=reports_gauges)
             self.metrics.start()
-        self.fault_injection = os.environ.get(FAULT_INJECTION) == "1"
         self.loop = EngineLoop(self.engine, on_error=self.logger.log_error,
                                sender_threads=int(os.environ.get("RADIXLM_SENDER_THREADS", "2")),
                                on_info=self.logger.log_info,
@@ -313,6 +208,31 @@ class TritonPythonModel:
         gc.freeze()
         self.loop.start()
         self.logger.log_info("radixlm: engine ready")
+
+    def _open_engine(self, config, parameters: dict, instances: int, key: str):
+        """The engine handle for this instance, and whether this instance reports the
+        engine-wide gauges. Which run mode runs when: docs/architecture.md."""
+        if not engine_process_wanted(parameters, config.device, instances):
+            from backend.core import Engine  # in this process: the CPU default
+
+            self.logger.log_info(f"radixlm: building the engine: {config}")
+            return Engine(config), True
+        # its own process: the step loop never waits for this interpreter's lock
+        if instances > 1:
+            # every instance of this model on this device fronts one engine (one KV pool,
+            # one radix cache): see backend/engine_process.py
+            self.logger.log_info(f"radixlm: building or joining the engine of {key}: {config}")
+            engine = open_shared(config, key)
+        else:
+            self.logger.log_info(f"radixlm: building the engine: {config}")
+            engine = EngineProcess(config)
+        if engine.started_here:
+            self.logger.log_info(f"radixlm: the engine runs in process {engine.pid} "
+                                 f"({engine.python})")
+        else:
+            self.logger.log_info(f"radixlm: attached to the engine process {engine.pid}"
+                                 f" ({instances} instances share it)")
+        return engine, engine.started_here
 
     def _server_stopping(self) -> bool:
         """Polled by the engine loop while requests are pending (never after finalize).
@@ -358,7 +278,7 @@ class TritonPythonModel:
             sink = TritonResponseSink(request)
             try:
                 parameters = _read_parameters(request)
-                if self.fault_injection and parameters.get(wire.DEBUG) == FAIL_ENGINE_LOOP:
+                if self.loop.diagnostics.wants_fault(parameters, wire.DEBUG):
                     self.loop.inject_fault("fault injected by a debug request")
                     sink.send_error("fault injected: the engine loop will die")
                     continue
@@ -380,8 +300,9 @@ class TritonPythonModel:
             self.logger.log_info("radixlm: finalize: stopping the engine loop")
             loop.stop()
             self.logger.log_info("radixlm: engine loop stopped")
-        if isinstance(getattr(self, "engine", None), EngineProcess):
-            self.engine.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()  # the metrics before their families
             self.metrics = None

@@ -10,19 +10,16 @@ Request modes, decided by what the request carries:
   * debug:      request parameter ``debug: "stats"`` -> one response with ``stats``
                 (engine counters plus the KV integrity check, as JSON).
 
-Also here: the model's config.pbtxt ``parameters`` -> ``EngineConfig``.
+The model's config.pbtxt ``parameters`` are read by ``backend.model_config``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from backend.core.config import EngineConfig
 from backend.core.sampling_params import SamplingParams
 
 # Inputs
@@ -51,14 +48,6 @@ STATS = "stats"
 DEBUG = "debug"
 DEBUG_STATS = "stats"
 RESERVED_PARAMETERS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, DEBUG)
-
-# config.pbtxt parameters that describe the model to clients (published by the backend
-# from the model's tokenizer files when config.pbtxt does not set them); not engine settings.
-MODEL_INFO_PARAMETERS = ("chat_template", "eos_token", "bos_token")
-# config.pbtxt parameters of the serving layer, not of EngineConfig: engine_process
-# ("auto", the default: on for CUDA devices; "true": the engine steps in a child process
-# of the stub; "false": in a thread of the stub)
-SERVING_PARAMETERS = ("engine_process",)
 
 INPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": dims, "optional": True}
                     for name, dtype, dims in (
@@ -188,106 +177,6 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any
     except (ValueError, TypeError) as exc:
         raise InputError(str(exc)) from exc
     return GenerateJob(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input)
-
-
-# ---- config.pbtxt parameters -> engine settings -------------------------------------
-
-_PATH_KEYS = ("model_path", "tokenizer_path")
-# Where relative model paths may also live: the project root holding backend/ (this file
-# is backend/wire.py; with an editable install it stays in the project).
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _convert(key: str, annotation: str, text: str) -> Any:
-    text = text.strip()
-    if "None" in annotation and text.lower() in ("", "none", "null"):
-        return None
-    try:
-        if annotation.startswith("bool"):
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1", "yes")
-        if annotation.startswith("int"):
-            return int(text)
-        if annotation.startswith("float"):
-            return float(text)
-    except ValueError:
-        raise ValueError(f"model parameter {key}={text!r} is not a valid {annotation}") from None
-    return text
-
-
-def engine_process_wanted(parameters: Mapping[str, str], device: str,
-                          instances: int = 1) -> bool:
-    """The ``engine_process`` parameter: true, false, or auto (the default: on for CUDA
-    devices, where the host's per-step work competes with response sending, and wherever
-    several instances of the model share a device: they then share one engine process;
-    on CPU with one instance the forward pass itself is the step, and a process would only
-    add a hop)."""
-    text = parameters.get("engine_process", "auto")
-    if text.strip().lower() == "auto":
-        return device.startswith("cuda") or instances > 1
-    return _convert("engine_process", "bool", text)
-
-
-def instances_on_device(model_config: Mapping[str, Any], kind: str, device_id: int) -> int:
-    """How many instances of the model Triton runs on this instance's device: its
-    ``instance_group`` counts (a KIND_GPU group places ``count`` instances on each of its
-    ``gpus``, every GPU when it lists none)."""
-    total = 0
-    for group in model_config.get("instance_group") or [{}]:
-        count = int(group.get("count", 1) or 1)
-        group_kind = str(group.get("kind", "KIND_AUTO")).removeprefix("KIND_")
-        if kind == "GPU" and group_kind in ("GPU", "AUTO"):
-            gpus = [int(g) for g in group.get("gpus") or []]
-            total += count if not gpus or device_id in gpus else 0
-        elif kind != "GPU" and group_kind != "GPU":
-            total += count
-    return max(total, 1)
-
-
-def resolve_path(value: str, search_dirs: list[Path]) -> str:
-    """An absolute path as is; a relative one against the first search dir holding it."""
-    path = Path(value).expanduser()
-    if path.is_absolute():
-        return str(path)
-    for base in search_dirs:
-        if (base / path).exists():
-            return str((base / path).resolve())
-    tried = ", ".join(str(b / path) for b in search_dirs)
-    raise ValueError(f"{value!r} not found (tried {tried})")
-
-
-def engine_config_from_parameters(parameters: Mapping[str, str],
-                                  search_dirs: list[Path]) -> EngineConfig:
-    """EngineConfig from config.pbtxt ``parameters`` (all strings). Every EngineConfig
-    field may be set by its name; unknown lower-case keys are an error (upper-case keys
-    belong to Triton's Python backend, e.g. EXECUTION_ENV_PATH)."""
-    fields = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
-    kwargs: dict[str, Any] = {}
-    for key, text in parameters.items():
-        if key.isupper() or key in MODEL_INFO_PARAMETERS or key in SERVING_PARAMETERS:
-            continue
-        if key not in fields:
-            raise ValueError(f"unknown model parameter {key!r}; known: {', '.join(sorted(fields))}")
-        value = _convert(key, fields[key], text)
-        if key in _PATH_KEYS and value is not None:
-            value = resolve_path(value, search_dirs)
-        kwargs[key] = value
-    if "model_path" not in kwargs:
-        raise ValueError("config.pbtxt must set the parameter 'model_path'")
-    return EngineConfig(**kwargs)
-
-
-def read_model_info(parameters: Mapping[str, str], search_dirs: list[Path]) -> dict[str, str]:
-    """chat_template / eos_token / bos_token of the configured model, read from its
-    tokenizer files or GGUF metadata (no tokenizer is loaded); {} when unreadable."""
-    from backend.core.loaders import tokenizer_info
-
-    try:
-        path = parameters.get("tokenizer_path") or parameters["model_path"]
-        return tokenizer_info(resolve_path(path, search_dirs)).as_parameters()
-    except (KeyError, ValueError, OSError):
-        return {}
 
 
 # ---- encoding -------------------------------------------------------------------------

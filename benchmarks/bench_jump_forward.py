@@ -3,7 +3,7 @@
 Prints a table and writes JSON:
 
     .venv/bin/python benchmarks/bench_jump_forward.py [--model models/default] [--device cpu]
-        [--dtype float32] [--requests 16] [--repeat 3] [--out docs/benchmarks/jump_forward_cpu.json]
+        [--dtype float32] [--requests 16] [--repeat 3] [--out benchmarks/results/jump_forward_cpu.json]
 
 The workload: schemas with long fixed keys and enums (most of each output is text the
 grammar forces), one request per prompt, all submitted together, greedy. Grammars are
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per mode (median wall)")
-    ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks" / "jump_forward_cpu.json"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "jump_forward_cpu.json"))
     args = ap.parse_args()
 
     reqs = workload(args.requests)

@@ -3,7 +3,7 @@
 Prints a table and writes JSON (and a PNG when matplotlib is present):
 
     .venv/bin/python benchmarks/bench_prefix.py [--model models/default] [--device cpu]
-        [--out docs/benchmarks/prefix_cpu.json]
+        [--out benchmarks/results/prefix_cpu.json]
 
 For each workload it reports output tokens/s, total wall time, the cache hit rate
 (prompt tokens served from the radix cache / prompt tokens) and that rate's ratio to the
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
-    ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks" / "prefix_cpu.json"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "prefix_cpu.json"))
     args = ap.parse_args()
 
     def workloads(vocab):

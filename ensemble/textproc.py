@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping
 
 from backend.core.detokenizer import decode_window
 from backend.core.special_tokens import eos_token_ids  # noqa: F401  (re-exported)
-from backend.wire import PROJECT_ROOT, resolve_path
+from backend.model_config import PROJECT_ROOT, resolve_path
 
 
 class RequestError(ValueError):
@@ -56,11 +56,21 @@ def tokenizer_dir(parameters: Mapping[str, str], model_dir: Path) -> str:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer the engine loads for this path (a folder's tokenizer files, or the
-    GGUF file's own tokenizer and chat template)."""
-    from backend.core.loaders import load_tokenizer as load  # as backend.core.engine does
+    """The engine's tokenizer for this path. A folder's tokenizer files load as
+    transformers' fast tokenizer: the same vocabulary and rules as the engine's
+    ``AutoTokenizer``, without what ``AutoTokenizer`` imports to pick a model-specific
+    class (torch among it: seconds and a few hundred MB for a text-only step). A GGUF file
+    (or a folder holding one) gives its own tokenizer and chat template."""
+    from backend.core.loaders import find_gguf
 
-    return load(path)
+    gguf = find_gguf(path) if not (Path(path) / "tokenizer.json").exists() else None
+    if gguf is not None:
+        from backend.core.loaders import load_tokenizer as load  # as the engine does
+
+        return load(gguf)
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 # ---- preprocessing ----------------------------------------------------------------------

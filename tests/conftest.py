@@ -130,7 +130,7 @@ def triton_server(tmp_path_factory) -> TritonServer:
 def reference_engine():
     """An in-process Engine with the served model's config.pbtxt settings."""
     from backend.core import Engine
-    from backend.wire import engine_config_from_parameters
+    from backend.model_config import engine_config_from_parameters
 
     ensure_default_model()
     search_dirs = [MODEL_REPOSITORY / SERVED_MODEL, MODEL_REPOSITORY, REPO]

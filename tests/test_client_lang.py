@@ -203,7 +203,7 @@ def test_one_failing_program_in_a_batch_does_not_stop_the_others():
         s += str(i) + gen("out")
 
     states = prog.run_batch([{"i": i} for i in range(5)], backend=backend)
-    assert [s.error.var if s.error else s["out"] for s in states] == [
+    assert [s.error().var if s.error() else s["out"] for s in states] == [
         "ok", "ok", "ok", "out", "ok"]
     with pytest.raises(radixlm.ProgramError, match="boom"):
         states[3].text()

@@ -122,7 +122,7 @@ def test_regex_and_json_schema_constrained_gens_conform(backend):
     state = structured.run(backend=backend, temperature=0.0)
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", state["phone"])
     jsonschema.validate(json.loads(state["verdict"]), schema)
-    assert state.get_meta_info("phone")["finish_reason"] == "stop"
+    assert state.get_meta_info("phone")["finish_reason"] == {"type": "stop"}
 
 
 def test_run_batch_of_32_programs_matches_the_engine(backend, reference_engine):
@@ -156,6 +156,9 @@ def test_a_bad_regex_raises_a_program_error_naming_the_variable(backend):
     assert info.value.var == "bad_pattern"
     assert "bad_pattern" in str(info.value) and info.value.message
     assert isinstance(info.value.__cause__, radixlm.ServerError)
+    # and the gRPC request that failed, by the id it was sent with
+    assert info.value.request_id == info.value.__cause__.request_id
+    assert f"(request {info.value.request_id})" in str(info.value)
 
     @radixlm.function
     def fine(s):

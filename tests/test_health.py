@@ -62,10 +62,10 @@ def test_an_exception_outside_a_step_kills_the_loop_but_a_failing_step_does_not(
     class FlakyEngine(ScriptedEngine):
         broken = False
 
-        def has_work(self):
-            if self.broken:
+        def next_outputs(self, timeout_s):
+            if self.broken:  # not a step's error: the handle itself failed
                 raise ValueError("scheduler state corrupt")
-            return super().has_work()
+            return super().next_outputs(timeout_s)
 
     engine = FlakyEngine()
     deaths = []

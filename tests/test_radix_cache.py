@@ -1,28 +1,28 @@
-"""RadixCache specs: prefix matching, edge splitting, slot ownership, pinning, LRU eviction,
-and the cache-off baseline. Each test builds its own small pool so slot numbers are exact."""
+"""RadixCache specs: prefix matching, edge splitting, slot ownership, pinning, LRU eviction
+(whole edges, least recently matched first), and the cache-off baseline. Each test builds
+its own small pool so slot numbers are exact. The adaptive policy and the host tier have
+their own specs (test_eviction_policy.py, test_host_tier.py)."""
 from __future__ import annotations
 
-import torch
-
-from backend.core.memory_pool import KVPool
+from backend.core.eviction import LRUPolicy
+from backend.core.kv_allocator import KVSlotAllocator
 from backend.core.radix_cache import NoCache, RadixCache
 
 
-def _pool(size: int) -> KVPool:
-    return KVPool(size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu")
+def _pool(size: int) -> KVSlotAllocator:
+    return KVSlotAllocator(size)
 
 
 def _cache(size: int = 32) -> RadixCache:
-    return RadixCache(_pool(size))
+    return RadixCache(_pool(size), LRUPolicy())
 
 
 def _put(cache: RadixCache, tokens: list[int]) -> list[int]:
     """Allocate fresh slots for ``tokens``, insert them, free the caller's duplicates, as the
     scheduler does; returns the slots the caller allocated."""
-    slots = cache.pool.alloc(len(tokens))
-    assert slots is not None
+    slots = cache.slots.alloc(len(tokens))
     present = cache.insert(tokens, slots)
-    cache.pool.free(slots[:present])
+    cache.slots.free(slots[:present])
     return slots
 
 
@@ -112,7 +112,7 @@ def test_duplicate_slots_held_by_callers_plus_tree_slots_plus_free_slots_cover_t
     cache = _cache(size)
     duplicates: list[int] = []  # slots insert reported as already present, still held
     for tokens in ([1, 2, 3, 4], [1, 2, 3, 9], [1, 2], [7, 7, 7], [1, 2, 3, 4, 5]):
-        slots = cache.pool.alloc(len(tokens))
+        slots = cache.slots.alloc(len(tokens))
         present = cache.insert(tokens, slots)
         duplicates += slots[:present]
 
@@ -120,10 +120,10 @@ def test_duplicate_slots_held_by_callers_plus_tree_slots_plus_free_slots_cover_t
     tree = cache.cached_slots()
     assert len(tree) == 4 + 1 + 3 + 1 == cache.total_size()  # [1,2,3,4] [9] [7,7,7] [5]
     assert not set(duplicates) & set(tree)  # the tree never took a duplicate
-    assert sorted(tree + duplicates + cache.pool.free_slots()) == list(range(1, size + 1))
+    assert sorted(tree + duplicates + cache.slots.free_slots()) == list(range(1, size + 1))
 
-    cache.pool.free(duplicates)  # the caller gives them back: nothing leaks
-    assert sorted(tree + cache.pool.free_slots()) == list(range(1, size + 1))  # slot 0 never used
+    cache.slots.free(duplicates)  # the caller gives them back: nothing leaks
+    assert sorted(tree + cache.slots.free_slots()) == list(range(1, size + 1))  # slot 0 never used
     cache.check_integrity()
 
 
@@ -137,7 +137,7 @@ def test_lock_pins_the_whole_path_and_unlock_makes_it_evictable_again():
     assert cache.protected_size == 4 and cache.evictable_size == 1
 
     assert cache.evict(100) == 1  # only the unlocked sibling [5] can go
-    assert cache.pool.free_slots()[-1:] == [branch[2]]
+    assert cache.slots.free_slots()[-1:] == [branch[2]]
     assert cache.match_prefix([1, 2, 3, 4]).kv_indices == path
     cache.check_integrity()
 
@@ -185,10 +185,10 @@ def test_eviction_frees_the_least_recently_used_leaf_first():
     cache.match_prefix([1, 1])  # touching A makes it the most recently used
 
     assert cache.evict(2) == 2
-    assert sorted(cache.pool.free_slots()[-2:]) == sorted(b)
+    assert sorted(cache.slots.free_slots()[-2:]) == sorted(b)
     assert cache.match_prefix([2, 2]).kv_indices == []
     assert cache.evict(2) == 2
-    assert sorted(cache.pool.free_slots()[-2:]) == sorted(c)
+    assert sorted(cache.slots.free_slots()[-2:]) == sorted(c)
     assert cache.match_prefix([1, 1]).kv_indices == a
 
 
@@ -199,7 +199,7 @@ def test_shared_trunk_outlives_its_branches_and_becomes_a_candidate_once_childle
     other = _put(cache, [7])  # used after the trunk
 
     assert cache.evict(2) == 2  # the two branch leaves, not the older trunk
-    assert sorted(cache.pool.free_slots()[-2:]) == sorted([slots3[2], slots4[2]])
+    assert sorted(cache.slots.free_slots()[-2:]) == sorted([slots3[2], slots4[2]])
     assert sorted(cache.cached_slots()) == sorted(slots3[:2] + other)
 
     # now childless, the trunk is older than [7] and goes next, whole edge at once
@@ -227,7 +227,7 @@ def test_reinserting_a_cached_sequence_counts_as_a_use():
     b = _put(cache, [2, 2])
     _put(cache, [1, 1])  # a repeat: nothing new is cached but A is now the most recent
     assert cache.evict(2) == 2
-    assert sorted(cache.pool.free_slots()[-2:]) == sorted(b)
+    assert sorted(cache.slots.free_slots()[-2:]) == sorted(b)
     assert cache.cached_slots() == a
 
 
@@ -237,7 +237,7 @@ def test_a_match_ending_inside_an_edge_refreshes_only_the_matched_part():
     other = _put(cache, [9, 9])
     cache.match_prefix([1, 2])  # [1,2] is now the most recent; [3,4] keeps its old time
     assert cache.evict(2) == 2
-    assert sorted(cache.pool.free_slots()[-2:]) == sorted(old[2:])
+    assert sorted(cache.slots.free_slots()[-2:]) == sorted(old[2:])
     assert cache.match_prefix([9, 9]).kv_indices == other
 
 
@@ -245,10 +245,10 @@ def test_evict_stops_after_the_leaf_that_reaches_the_target():
     cache = _cache()
     for first in (1, 2, 3):
         _put(cache, [first] * 3)
-    free_before = cache.pool.available_size()
+    free_before = cache.slots.available_size()
 
     assert cache.evict(4) == 6  # two leaves of 3: the second crosses the target
-    assert cache.pool.available_size() == free_before + 6
+    assert cache.slots.available_size() == free_before + 6
     assert cache.match_prefix([3, 3, 3]).kv_indices != []  # third leaf untouched
     assert cache.evict(0) == 0
     assert len(cache.cached_slots()) == 3
@@ -260,21 +260,21 @@ def test_evict_more_than_evictable_frees_everything_unlocked_and_reports_it():
     _put(cache, [4, 5])
     assert cache.evict(1000) == 5
     assert cache.evict(1000) == 0
-    assert cache.pool.available_size() == cache.pool.size
+    assert cache.slots.available_size() == cache.slots.size
 
 
 # ---------------------------------------------------------------------- cache off
 def test_nocache_never_matches_and_insert_reports_everything_present():
     cache = NoCache(_pool(16))
-    slots = cache.pool.alloc(3)
+    slots = cache.slots.alloc(3)
     assert cache.insert([1, 2, 3], slots) == 3  # caller frees all of its slots
-    cache.pool.free(slots)
+    cache.slots.free(slots)
     result = cache.match_prefix([1, 2, 3])
     assert result.kv_indices == [] and result.last_node is cache.root
     assert cache.enabled is False
     assert cache.cached_slots() == [] and cache.total_size() == 0
     assert cache.evict(10) == 0
-    assert cache.pool.available_size() == 16
+    assert cache.slots.available_size() == 16
 
 
 # ---------------------------------------------------------------------- churn (seed 003)
@@ -291,14 +291,14 @@ def _serve(order: str) -> int:
         if len(cache.match_prefix(tokens).kv_indices) == L:
             hits += 1
             continue
-        short = L - cache.pool.available_size()
+        short = L - cache.slots.available_size()
         if short > 0:
             cache.evict(short)
-        slots = cache.pool.alloc(L)
+        slots = cache.slots.alloc(L)
         assert slots is not None
         assert cache.insert(tokens, slots) == 0
         cache.check_integrity()
-    assert sorted(cache.cached_slots() + cache.pool.free_slots()) == list(range(1, 4 * L + 1))
+    assert sorted(cache.cached_slots() + cache.slots.free_slots()) == list(range(1, 4 * L + 1))
     return hits
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from backend.core.memory_pool import KVPool
+from backend.core.eviction import LRUPolicy
+from backend.core.kv_allocator import KVSlotAllocator
 from backend.core.radix_cache import RadixCache
 
 POOL_SIZE = 20
@@ -53,9 +53,8 @@ def _depth(cache: RadixCache, node) -> int:
 class RadixCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = KVPool(POOL_SIZE, num_layers=1, num_kv_heads=1, head_dim=1,
-                           dtype=torch.float32, device="cpu")
-        self.cache = RadixCache(self.pool)
+        self.pool = KVSlotAllocator(POOL_SIZE)
+        self.cache = RadixCache(self.pool, LRUPolicy())
         # reference model
         self.slot: dict[Prefix, int] = {}  # cached prefix -> slot of its last token
         self.stamp: dict[Prefix, int] = {}  # cached prefix -> time of last walk through it
@@ -150,7 +149,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         short = n - self.pool.available_size()
         if short > 0:
             self._evict(short)
-        return self.pool.alloc(n)
+        return self.pool.alloc(n) if self.pool.can_alloc(n) else None
 
     # ------------------------------------------------------------------ rules
     @rule(tokens=seqs)

@@ -13,6 +13,9 @@ import torch
 
 from backend.core import SamplingParams
 from backend.core.sampling import SamplingRow, apply_penalties, draw, filter_logits, sample
+from backend.core.transfer import HostToDevice
+
+CPU = HostToDevice("cpu")
 
 # The most likely token is not at index 0, so a filter that forgets to sort is caught.
 #           token:   0     1     2     3
@@ -45,7 +48,7 @@ def test_greedy_picks_the_argmax_of_each_row():
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.9],
                            [5.0, 4.0, 3.0, 2.0],
                            [-3.0, -2.0, -1.0, -4.0]])
-    res = sample(logits, [_row(temperature=0.0) for _ in range(3)], 0, want_logprobs=False)
+    res = sample(logits, [_row(temperature=0.0) for _ in range(3)], CPU, 0, want_logprobs=False)
     assert res.token_ids.tolist() == [1, 0, 2]
 
 
@@ -53,7 +56,7 @@ def test_top_k_one_is_greedy_even_at_high_temperature():
     # near-flat distribution: a real draw would leave the argmax most of the time
     logits = torch.tensor([[1.0, 1.1, 1.05, 0.9]]).repeat(200, 1)
     rows = [_row(temperature=5.0, top_k=1, generator=_seeded(i)) for i in range(200)]
-    res = sample(logits, rows, 0, want_logprobs=False)
+    res = sample(logits, rows, CPU, 0, want_logprobs=False)
     assert res.token_ids.tolist() == [1] * 200
 
 
@@ -177,7 +180,7 @@ def test_penalties_are_per_row():
 def test_penalties_change_the_greedy_choice_but_not_the_callers_logits():
     logits = torch.tensor([[3.0, 2.5, 1.0]])
     before = logits.clone()
-    res = sample(logits, [_row(prompt=[0], temperature=0.0, repetition_penalty=2.0)], 0,
+    res = sample(logits, [_row(prompt=[0], temperature=0.0, repetition_penalty=2.0)], CPU, 0,
                  want_logprobs=False)
     assert res.token_ids.tolist() == [1]  # 3.0 / 2 = 1.5 < 2.5
     assert torch.equal(logits, before)
@@ -216,7 +219,7 @@ def test_empirical_frequencies_match_the_filtered_distribution():
     rows = [_row(temperature=2.0, top_k=3) for _ in range(n)]
     with torch.random.fork_rng():
         torch.manual_seed(1234)
-        tokens = sample(LOGITS.repeat(n, 1), rows, 0, want_logprobs=False).token_ids
+        tokens = sample(LOGITS.repeat(n, 1), rows, CPU, 0, want_logprobs=False).token_ids
     counts = torch.bincount(tokens, minlength=4).tolist()
     assert counts[1] == 0
     for t, p in expected.items():
@@ -230,7 +233,7 @@ def test_mixed_batch_keeps_greedy_rows_at_the_argmax():
     logits = LOGITS.repeat(n, 1)
     rows = [_row(temperature=0.0) if i % 2 == 0 else _row(temperature=1.0, generator=_seeded(i))
             for i in range(n)]
-    tokens = sample(logits, rows, 0, want_logprobs=False).token_ids.tolist()
+    tokens = sample(logits, rows, CPU, 0, want_logprobs=False).token_ids.tolist()
     greedy, sampled = tokens[0::2], tokens[1::2]
     assert greedy == [2] * (n // 2)
     assert 60 < sum(t != 2 for t in sampled) < 140  # ~100 expected: the sampled rows do sample
@@ -244,7 +247,7 @@ def test_logprobs_score_the_raw_logits_not_the_penalised_or_tempered_ones():
     before = raw.clone()
     rows = [_row(prompt=[0], temperature=0.0, repetition_penalty=4.0),  # greedy picks 1, not 0
             _row(temperature=0.3, top_k=2, presence_penalty=2.0, output=[2], generator=_seeded(5))]
-    res = sample(raw, rows, num_top_logprobs=2, want_logprobs=True)
+    res = sample(raw, rows, CPU, num_top_logprobs=2, want_logprobs=True)
     logp = torch.log_softmax(before, dim=-1)
     chosen = res.token_ids.tolist()
     assert chosen[0] == 1
@@ -256,12 +259,12 @@ def test_logprobs_score_the_raw_logits_not_the_penalised_or_tempered_ones():
 
 
 def test_no_logprobs_unless_asked():
-    res = sample(LOGITS.unsqueeze(0), [_row(temperature=0.0)], 0, want_logprobs=False)
+    res = sample(LOGITS.unsqueeze(0), [_row(temperature=0.0)], CPU, 0, want_logprobs=False)
     assert res.logprobs is None and res.top_ids is None and res.top_logprobs is None
 
 
 def test_chosen_logprob_without_alternatives():
-    res = sample(LOGITS.unsqueeze(0), [_row(temperature=0.0)], 0, want_logprobs=True)
+    res = sample(LOGITS.unsqueeze(0), [_row(temperature=0.0)], CPU, 0, want_logprobs=True)
     assert res.logprobs.tolist() == pytest.approx([math.log(0.5)], abs=1e-6)
     assert res.top_ids is None
 

@@ -78,7 +78,7 @@ def test_lpm_serves_the_request_with_a_cached_prefix_before_an_earlier_unrelated
     rs = engine.add_request(cached[:20] + unrelated[:4], _params(2))
     assert _first_output_order(engine) == [rs, ru]
     # and the cache did serve it
-    assert engine.counters["cache_hit_tokens"] >= 20
+    assert engine.counters.cache_hit_tokens >= 20
 
 
 def test_lpm_with_nothing_cached_falls_back_to_arrival_order(model):
@@ -166,10 +166,10 @@ def test_never_more_than_max_running_requests_in_a_step(model):
     running_per_step: list[int] = []
 
     def spy():
-        items = schedule()
+        plan = schedule()
         running_per_step.append(len(engine.scheduler.running))
-        assert len(items) <= cap
-        return items
+        assert len(plan.items) <= cap
+        return plan
 
     engine.scheduler.schedule = spy
     prompts = random_prompts(10, engine.runner.vocab_size, seed=40, min_len=3, max_len=25)

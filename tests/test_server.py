@@ -1,4 +1,4 @@
-"""Issue 3, end to end: a real tritonserver (started through radixlm-serve) serving the
+"""End to end: a real tritonserver (started through radixlm-serve) serving the
 default model, spoken to with tritonclient gRPC streaming and Triton's HTTP generate."""
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ PROMPTS = {
 def reference(engine, prompts: list[str], params: dict) -> list:
     return engine.generate(prompts, SamplingParams.from_dict(params))
 
-
-# ---- issue 3 checks ---------------------------------------------------------------------
 
 def test_greedy_grpc_stream_and_http_generate_equal_engine_generate(
         triton_server, stream, reference_engine):

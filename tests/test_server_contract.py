@@ -12,7 +12,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from backend.wire import read_model_info
+from backend.model_config import read_model_info
 from conftest import DEFAULT_MODEL, Stream, _stop, generate_body, grpc_inputs, http_generate, \
     response_dict, sigterm_mid_stream, start_server
 from test_engine_process import wait_gone

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from backend import wire
+from backend.core.handle import OutputBatch, ScoreRequest
 from backend.core.outputs import ChoiceScore, StepOutput
 from backend.core.sampling_params import SamplingParams
 from backend.serving import EngineLoop
@@ -22,6 +23,7 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.streamed: dict[str, bool] = {}  # request id -> the stream flag it was added with
         self.fail_next_step = False
+        self.refused: list[StepOutput] = []  # refusals, returned with the next batch
 
     def add_request(self, prompt, params, request_id, stream=True):
         self.streamed[request_id] = stream
@@ -65,22 +67,26 @@ class ScriptedEngine:
                 if r["score"] is not None:
                     scores = [ChoiceScore(c, -1.0 * (i + 1), 2, [-0.5, -0.5 * (i + 1)])
                               for i, c in enumerate(r["score"])]
-                    outs.append(StepOutput(rid, 0, [], "", True, "stop", 3, 0, 0,
-                                           choice_scores=scores))
+                    outs.append(StepOutput(request_id=rid, finished=True, finish_reason="stop",
+                                           num_prompt_tokens=3, choice_scores=scores))
                     del self.reqs[rid]
                     continue
                 for i, made in enumerate(r["made"]):
                     if made < 0:
                         continue
                     if r["abort"]:
-                        outs.append(StepOutput(rid, i, [], "", True, "abort", 3, 0, made))
+                        outs.append(StepOutput(request_id=rid, index=i, finished=True,
+                                               finish_reason="abort", num_prompt_tokens=3,
+                                               num_output_tokens=made))
                         r["made"][i] = -1
                         continue
                     made += 1
                     done = made >= r["params"].max_new_tokens
-                    outs.append(StepOutput(rid, i, [made], f"{made} ", done,
-                                           "length" if done else None, 3, 1, made,
-                                           context_token_ids=[made - 1]))
+                    outs.append(StepOutput(request_id=rid, index=i, new_token_ids=[made],
+                                           new_text=f"{made} ", finished=done,
+                                           finish_reason="length" if done else None,
+                                           num_prompt_tokens=3, num_cached_tokens=1,
+                                           num_output_tokens=made, context_token_ids=[made - 1]))
                     r["made"][i] = -1 if done else made
                 if all(m < 0 for m in r["made"]):
                     del self.reqs[rid]
@@ -92,8 +98,39 @@ class ScriptedEngine:
     def check_integrity(self):
         pass
 
+    # the EngineHandle the loop uses, over the script above
+    def submit(self, request):
+        try:
+            if isinstance(request, ScoreRequest):
+                self.add_score_request(request.prompt, request.choices, request.request_id)
+            else:
+                self.add_request(request.prompt, request.params, request.request_id,
+                                 request.stream)
+        except ValueError as exc:
+            with self.lock:
+                self.refused.append(StepOutput.refusal(request.request_id, str(exc)))
+
+    def next_outputs(self, timeout_s):
+        with self.lock:
+            refused, self.refused = self.refused, []
+        if not self.reqs:
+            time.sleep(min(timeout_s, 0.005))
+            return OutputBatch(refused, time.time())
+        try:
+            return OutputBatch(refused + self.step(), time.time())
+        except RuntimeError as exc:
+            return OutputBatch(refused, time.time(), step_error=f"engine error: {exc}")
+
+    def prompt_text(self, token_ids):
+        return " ".join(map(str, token_ids))
+
+    def close(self, timeout_s=10.0):
+        pass
+
 
 class RecordingSink:
+    wanted = None  # every output
+
     def __init__(self) -> None:
         self.responses: list[tuple[dict, bool]] = []
         self.errors: list[tuple[str, bool]] = []
@@ -232,13 +269,13 @@ def test_no_sink_is_touched_after_its_final_response_while_cancellation_is_polle
     rejected = [RecordingSink() for _ in range(100)]  # refused while the loop polls them
     for sink in rejected:
         loop.submit(generate("slow reject", max_new_tokens=500), sink)
-        assert sink.errors == [("rejected", False)]
     sinks += rejected
     assert all(sink.closed.wait(10) for sink in sinks)
     time.sleep(0.05)  # let the cancellation watcher make a few more rounds
     assert sum(sink.calls_after_final for sink in sinks) == 0
     assert all(len([1 for _, final in sink.responses if final]) + len(sink.errors) == 1
                for sink in sinks)
+    assert all(sink.errors == [("rejected", False)] for sink in rejected)
 
 
 def test_non_streaming_sends_one_response_with_everything_and_the_prompt(loop):
@@ -273,6 +310,7 @@ def test_the_engine_detokenizes_every_step_only_for_streamed_text(loop, stream, 
 def test_rejected_prompt_gets_an_error_and_is_not_tracked(loop):
     sink = RecordingSink()
     loop.submit(generate("too long"), sink)
+    assert sink.closed.wait(5)
     assert sink.errors == [("prompt has 9999 tokens; the context length is 64", False)]
     assert loop.num_active() == 0 and not sink.responses
 
@@ -325,24 +363,25 @@ def test_intake_timings_count_requests_and_gaps_within_bursts_only(loop):
     loop.note_intake(10.0, 10.0002, 1)
     loop.note_intake(10.0005, 10.0007, 2)  # 0.3 ms after the previous hand-over: a burst
     loop.note_intake(11.0, 11.0001, 1)  # a second later: not part of it
-    t = loop.timings
+    t = loop.diagnostics.intake
     assert t["intake_requests"] == 4
     assert t["intake_s"] == pytest.approx(0.0005)
     assert t["intake_burst_gaps"] == 1 and t["intake_burst_gap_s"] == pytest.approx(0.0003)
 
 
 def test_loop_timings_count_the_steps_and_the_profile_is_written(tmp_path, monkeypatch):
-    from backend import serving
-    monkeypatch.setenv(serving.PROFILE_ENV, str(tmp_path))
+    from backend import diagnostics
+    monkeypatch.setenv(diagnostics.PROFILE_ENV, str(tmp_path))
     loop = EngineLoop(ScriptedEngine(), idle_wait_s=0.005, cancel_poll_s=0.0)
     loop.start()
     sink = RecordingSink()
     loop.submit(generate(max_new_tokens=5), sink)
     assert sink.closed.wait(5)
     loop.stop(timeout_s=5)
-    assert loop.timings["steps"] == 5 and loop.timings["step_s"] >= 5 * 0.002
+    timings = loop.diagnostics.timer.report()
+    assert timings["steps"] == 5 and timings["step_s"] >= 5 * 0.002
     (profile,) = tmp_path.glob("engine_loop_*.txt")
-    assert "_step" in profile.read_text()
+    assert "_take_batch" in profile.read_text()
 
 
 def stats_of(loop) -> dict:
@@ -353,8 +392,8 @@ def stats_of(loop) -> dict:
 
 
 def test_request_timelines_are_reported_once_and_in_order_when_tracing(monkeypatch):
-    from backend import serving
-    monkeypatch.setenv(serving.TRACE_ENV, "8")
+    from backend import diagnostics
+    monkeypatch.setenv(diagnostics.TRACE_ENV, "8")
     loop = EngineLoop(ScriptedEngine(), idle_wait_s=0.005, cancel_poll_s=0.0)
     loop.start()
     try:
@@ -362,7 +401,7 @@ def test_request_timelines_are_reported_once_and_in_order_when_tracing(monkeypat
         loop.submit(generate(max_new_tokens=3), streamed, "client-7")
         loop.submit(generate(stream=False, max_new_tokens=2), whole)
         assert streamed.closed.wait(5) and whole.closed.wait(5)
-        wait_for(lambda: loop._outbox.pending() == 0)  # the senders noted their last send
+        wait_for(lambda: loop.pending_responses() == 0)  # the senders noted their last send
         first, again = stats_of(loop)["trace"], stats_of(loop)["trace"]
     finally:
         loop.stop(timeout_s=5)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from backend import wire
+from backend import model_config, wire
 from backend.core.outputs import TokenLogprob
 
 
@@ -119,7 +119,7 @@ def test_every_encoded_tensor_is_declared():
 
 def test_config_parameters_become_an_engine_config(tmp_path):
     (tmp_path / "models" / "m").mkdir(parents=True)
-    config = wire.engine_config_from_parameters({
+    config = model_config.engine_config_from_parameters({
         "model_path": "models/m", "max_total_tokens": "4096", "enable_radix_cache": "false",
         "schedule_policy": "fcfs", "context_length": "", "EXECUTION_ENV_PATH": "/x.tar.gz",
         "chat_template": "{{ messages }}",
@@ -132,22 +132,22 @@ def test_config_parameters_become_an_engine_config(tmp_path):
 def test_cuda_graphs_cover_every_running_batch_unless_capped(tmp_path):
     (tmp_path / "m").mkdir()
     base = {"model_path": str(tmp_path / "m"), "max_running_requests": "300"}
-    default = wire.engine_config_from_parameters(base, [])
+    default = model_config.engine_config_from_parameters(base, [])
     assert default.cuda_graph_max_batch is None and default.cuda_graph_batch == 300
-    none = wire.engine_config_from_parameters(dict(base, cuda_graph_max_batch="none"), [])
+    none = model_config.engine_config_from_parameters(dict(base, cuda_graph_max_batch="none"), [])
     assert none.cuda_graph_batch == 300
-    capped = wire.engine_config_from_parameters(dict(base, cuda_graph_max_batch="96"), [])
+    capped = model_config.engine_config_from_parameters(dict(base, cuda_graph_max_batch="96"), [])
     assert capped.cuda_graph_batch == 96
-    many = wire.engine_config_from_parameters(dict(base, max_running_requests="2048"), [])
+    many = model_config.engine_config_from_parameters(dict(base, max_running_requests="2048"), [])
     assert many.cuda_graph_batch == 512  # the default's start-up bound
     with pytest.raises(ValueError, match="cuda_graph_max_batch must be at least 1"):
-        wire.engine_config_from_parameters(dict(base, cuda_graph_max_batch="0"), [])
+        model_config.engine_config_from_parameters(dict(base, cuda_graph_max_batch="0"), [])
     # extend steps: graphs up to 2048 tokens by default, any other bound, 0 for none
     assert default.cuda_graph_max_tokens == 2048
-    assert wire.engine_config_from_parameters(
+    assert model_config.engine_config_from_parameters(
         dict(base, cuda_graph_max_tokens="0"), []).cuda_graph_max_tokens == 0
     with pytest.raises(ValueError, match="cuda_graph_max_tokens must be >= 0"):
-        wire.engine_config_from_parameters(dict(base, cuda_graph_max_tokens="-1"), [])
+        model_config.engine_config_from_parameters(dict(base, cuda_graph_max_tokens="-1"), [])
 
 
 @pytest.mark.parametrize("parameters, message", [
@@ -159,7 +159,7 @@ def test_cuda_graphs_cover_every_running_batch_unless_capped(tmp_path):
 ])
 def test_bad_config_parameters_fail_the_load_clearly(parameters, message):
     with pytest.raises(ValueError) as info:
-        wire.engine_config_from_parameters(parameters, [])
+        model_config.engine_config_from_parameters(parameters, [])
     assert message in str(info.value)
 
 
@@ -167,9 +167,9 @@ def test_model_info_comes_from_the_tokenizer_files(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": {"content": "</s>"}, "bos_token": "<s>", "chat_template": "old"}))
     (tmp_path / "chat_template.jinja").write_text("{{ new }}")
-    info = wire.read_model_info({"model_path": str(tmp_path)}, [])
+    info = model_config.read_model_info({"model_path": str(tmp_path)}, [])
     assert info == {"chat_template": "{{ new }}", "eos_token": "</s>", "bos_token": "<s>"}
-    assert wire.read_model_info({"model_path": str(tmp_path / "gone")}, []) == {}
+    assert model_config.read_model_info({"model_path": str(tmp_path / "gone")}, []) == {}
 
 
 def test_generation_outputs_builds_only_the_requested_tensors():
@@ -186,34 +186,34 @@ def test_generation_outputs_builds_only_the_requested_tensors():
 
 
 def test_engine_process_parameter_defaults_to_the_device_and_rejects_nonsense():
-    assert wire.engine_process_wanted({}, "cuda:1") is True
-    assert wire.engine_process_wanted({}, "cpu") is False
-    assert wire.engine_process_wanted({"engine_process": " Auto "}, "cpu") is False
-    assert wire.engine_process_wanted({"engine_process": "true"}, "cpu") is True
-    assert wire.engine_process_wanted({"engine_process": "0"}, "cuda") is False
+    assert model_config.engine_process_wanted({}, "cuda:1") is True
+    assert model_config.engine_process_wanted({}, "cpu") is False
+    assert model_config.engine_process_wanted({"engine_process": " Auto "}, "cpu") is False
+    assert model_config.engine_process_wanted({"engine_process": "true"}, "cpu") is True
+    assert model_config.engine_process_wanted({"engine_process": "0"}, "cuda") is False
     with pytest.raises(ValueError, match="engine_process"):
-        wire.engine_process_wanted({"engine_process": "sometimes"}, "cuda")
+        model_config.engine_process_wanted({"engine_process": "sometimes"}, "cuda")
     # a serving parameter, not an EngineConfig field: the engine config ignores it
-    config = wire.engine_config_from_parameters({"model_path": "/m", "engine_process": "true"}, [])
+    config = model_config.engine_config_from_parameters({"model_path": "/m", "engine_process": "true"}, [])
     assert config.model_path == "/m"
     # several instances on one device share an engine process, CPU included
-    assert wire.engine_process_wanted({}, "cpu", instances=2) is True
-    assert wire.engine_process_wanted({"engine_process": "false"}, "cpu", instances=2) is False
+    assert model_config.engine_process_wanted({}, "cpu", instances=2) is True
+    assert model_config.engine_process_wanted({"engine_process": "false"}, "cpu", instances=2) is False
 
 
 def test_instances_on_device_counts_the_groups_that_place_instances_there():
     def config(*groups):
         return {"instance_group": list(groups)}
 
-    assert wire.instances_on_device({}, "CPU", 0) == 1
-    assert wire.instances_on_device(config({"count": 3, "kind": "KIND_CPU"}), "CPU", 0) == 3
+    assert model_config.instances_on_device({}, "CPU", 0) == 1
+    assert model_config.instances_on_device(config({"count": 3, "kind": "KIND_CPU"}), "CPU", 0) == 3
     two_gpus = config({"count": 2, "kind": "KIND_GPU", "gpus": [0, 1]})
-    assert wire.instances_on_device(two_gpus, "GPU", 1) == 2  # 2 on each listed GPU
+    assert model_config.instances_on_device(two_gpus, "GPU", 1) == 2  # 2 on each listed GPU
     split = config({"count": 1, "kind": "KIND_GPU", "gpus": [0]},
                    {"count": 2, "kind": "KIND_GPU", "gpus": [1]})
-    assert wire.instances_on_device(split, "GPU", 0) == 1
-    assert wire.instances_on_device(split, "GPU", 1) == 2
+    assert model_config.instances_on_device(split, "GPU", 0) == 1
+    assert model_config.instances_on_device(split, "GPU", 1) == 2
     every_gpu = config({"count": 2, "kind": "KIND_GPU"})
-    assert wire.instances_on_device(every_gpu, "GPU", 3) == 2
+    assert model_config.instances_on_device(every_gpu, "GPU", 3) == 2
     mixed = config({"count": 2, "kind": "KIND_GPU"}, {"count": 1, "kind": "KIND_CPU"})
-    assert wire.instances_on_device(mixed, "CPU", 0) == 1
+    assert model_config.instances_on_device(mixed, "CPU", 0) == 1

@@ -15,9 +15,11 @@ import uuid
 import pytest
 
 from backend.core import EngineConfig, SamplingParams
-from backend.engine_process import EngineProcess, open_shared, shared_paths
+from backend.engine_process import EngineProcess
+from backend.shared_engine import open_shared, shared_address
+from backend.runtime_dir import SocketAddress
 from engine_helpers import make_engine, random_prompts, tiny_model
-from test_engine_process import SETTINGS, _alive, by_request, run_until_finished, wait_gone
+from test_engine_process import SETTINGS, _alive, add, by_request, run_until_finished, wait_gone
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -32,8 +34,8 @@ def config(model_path):
     return EngineConfig(model_path=str(model_path), **SETTINGS)
 
 
-def address() -> str:
-    return f"\0radixlm-test-{uuid.uuid4().hex}"
+def address() -> SocketAddress:
+    return SocketAddress(f"radixlm-test-{uuid.uuid4().hex}")  # abstract
 
 
 def test_each_stub_gets_only_its_requests_and_they_share_the_radix_cache(config, model_path):
@@ -46,14 +48,14 @@ def test_each_stub_gets_only_its_requests_and_they_share_the_radix_cache(config,
         prompts = random_prompts(6, 200, seed=5, min_len=20, max_len=40)
         expected = [r.token_ids for r in make_engine(model_path).generate(prompts, GREEDY)]
         for i, p in enumerate(prompts):
-            (first if i % 2 == 0 else second).add_request(p, GREEDY, request_id=f"r{i}")
+            add(first if i % 2 == 0 else second, p, GREEDY, f"r{i}")
         got_first = by_request(run_until_finished(first, 3))
         got_second = by_request(run_until_finished(second, 3))
         assert sorted(got_first) == ["r0", "r2", "r4"] and sorted(got_second) == ["r1", "r3", "r5"]
         for i in range(6):
             assert (got_first if i % 2 == 0 else got_second)[f"r{i}"] == expected[i]
         # a prompt the first stub's request left in the tree is a hit for the second's
-        second.add_request(prompts[0], GREEDY, request_id="again")
+        add(second, prompts[0], GREEDY, "again")
         again = run_until_finished(second, 1)
         assert again[-1].num_cached_tokens >= len(prompts[0]) - 1
         stats = second.stats()
@@ -72,7 +74,7 @@ def test_the_engine_serves_on_until_its_last_stub_leaves(config):
     started = time.monotonic()
     first.close()  # the stub that started it leaves first
     assert time.monotonic() - started < 5 and _alive(child)
-    second.add_request([7, 8, 9], GREEDY, request_id="after")
+    add(second, [7, 8, 9], GREEDY, "after")
     assert len(by_request(run_until_finished(second, 1))["after"]) == 10
     assert second.stats()["engine_peers"] == 1
     second.close()
@@ -89,12 +91,14 @@ def test_a_stub_that_dies_has_its_requests_aborted_and_the_others_go_on(config, 
     script.write_text(
         "import sys, time\n"
         "from backend.core import EngineConfig, SamplingParams\n"
+        "from backend.core.handle import GenerateRequest\n"
         "from backend.engine_process import EngineProcess\n"
-        f"e = EngineProcess.attach({where!r}, EngineConfig(model_path={str(model_path)!r}, "
-        f"**{SETTINGS!r}))\n"
-        "e.add_request([30, 31, 32], SamplingParams(max_new_tokens=1000, temperature=0.0, "
-        "ignore_eos=True), request_id='doomed')\n"
-        "while not e.step(0.5): pass\n"
+        "from backend.runtime_dir import SocketAddress\n"
+        f"e = EngineProcess.attach(SocketAddress({where.name!r}), "
+        f"EngineConfig(model_path={str(model_path)!r}, **{SETTINGS!r}))\n"
+        "e.submit(GenerateRequest('doomed', [30, 31, 32], SamplingParams(max_new_tokens=1000, "
+        "temperature=0.0, ignore_eos=True)))\n"
+        "while not e.next_outputs(0.5).outputs: pass\n"
         "print('running', flush=True)\n"
         "time.sleep(600)\n")
     stub = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
@@ -111,7 +115,7 @@ def test_a_stub_that_dies_has_its_requests_aborted_and_the_others_go_on(config, 
         assert stats["kv_tokens_in_use_by_requests"] == 0
         assert stats["generated_tokens"] < 500, stats  # aborted: run to its end, 1,000
         first.check_integrity()
-        first.add_request([40, 41], GREEDY, request_id="still")
+        add(first, [40, 41], GREEDY, "still")
         outputs = run_until_finished(first, 1)
         assert {o.request_id for o in outputs} == {"still"}  # nothing of the dead stub's
     finally:
@@ -119,22 +123,26 @@ def test_a_stub_that_dies_has_its_requests_aborted_and_the_others_go_on(config, 
         first.close()
 
 
-def test_open_shared_starts_the_engine_once_and_attaches_after(config):
+def test_open_shared_starts_the_engine_once_and_attaches_after(config, tmp_path):
     key = f"test-{uuid.uuid4().hex}"
-    socket_path, _ = shared_paths(config, key)
-    assert oct(socket_path.parent.stat().st_mode & 0o777) == "0o700"  # this user's only
+    folder = tmp_path / "run"
+    address, lock_name = shared_address(config, key, folder)
+    open_shared_here = lambda cfg: open_shared(cfg, key, folder=folder)  # noqa: E731
+    folder.mkdir(mode=0o700)
     # the socket file an engine process that died left behind
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stale.bind(str(socket_path))
+    stale.bind(str(folder / address.name))
     stale.close()
-    first = open_shared(config, key)
-    second = open_shared(config, key)
-    other = open_shared(dataclasses.replace(config, max_running_requests=8), key)
+    first = open_shared_here(config)
+    second = open_shared_here(config)
+    other = open_shared_here(dataclasses.replace(config, max_running_requests=8))
     try:
         assert first.started_here and not second.started_here
         assert first.pid == second.pid
         assert other.started_here and other.pid != first.pid  # new settings, new engine
+        assert oct(folder.stat().st_mode & 0o777) == "0o700"  # this user's only
     finally:
         for engine in (second, first, other):
             engine.close()
-    assert not socket_path.exists()  # the last stub gone, the engine removed its socket
+    # the last stub gone: the engine removed its socket, the stubs their lock files
+    assert sorted(os.listdir(folder)) == []

@@ -1,6 +1,6 @@
-"""Structured decoding through the engine (issue 5), on a small random-weight model with
-the real Qwen2 tokenizer (``model_factory.random_qwen2_dir``: the grammar works on the
-tokenizer, and 4 layers keep the many steps cheap), float32 on CPU.
+"""Structured decoding through the engine, on a small random-weight model with the real
+Qwen2 tokenizer (``model_factory.random_qwen2_dir``: the grammar works on the tokenizer,
+and 4 layers keep the many steps cheap), float32 on CPU.
 
 Every constrained output must parse and conform: JSON schemas (checked with ``jsonschema``),
 regexes (``re.fullmatch``), choices (exactly one), an EBNF grammar (our own
@@ -142,7 +142,8 @@ def engine_no_jf() -> Engine:
 
 
 def _compilations(engine: Engine) -> int:
-    return engine.grammar.num_compilations if engine.grammar is not None else 0
+    backend = engine.grammar.backend
+    return backend.num_compilations if backend is not None else 0
 
 
 def _finish_checks(engine: Engine) -> None:
@@ -425,7 +426,7 @@ def test_jump_forward_off_outputs_validate(no_jf_greedy, name):
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_greedy_with_jump_forward_equals_without(big_batch, no_jf_greedy, engine, name):
-    """Issue 5's check, token ids and text: forced text becomes the same tokens either
+    """Token ids and text: forced text becomes the same tokens either
     way; jump-forward only computes them in one extend step instead of one step each."""
     on, off = big_batch["outputs"][f"schema-{name}-greedy"], no_jf_greedy[name]
     if on.token_ids != off.token_ids:
@@ -470,7 +471,7 @@ def reference(engine, big_batch):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(random_qwen2_dir(), dtype=torch.float32).eval()
-    return {name: _reference_greedy_jump(model, engine.grammar, engine.eos_token_ids,
+    return {name: _reference_greedy_jump(model, engine.grammar.get(), engine.eos_token_ids,
                                          engine.tokenizer.encode(SCHEMA_PROMPTS[name]), schema, 120)
             for name, schema in SCHEMAS.items()}
 

@@ -1,4 +1,4 @@
-"""Structured decoding through the real tritonserver (issue 5): constraints arrive in the
+"""Structured decoding through the real tritonserver: constraints arrive in the
 ``sampling_parameters`` JSON of HTTP generate and gRPC streaming requests. Short on
 purpose: the server is the session fixture shared with the other server modules."""
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""to_device's pinned staging ring, run on the CPU with a stand-in for CUDA events (the
-GPU check is scripts/check_kernels_gpu.py)."""
+"""HostToDevice's pinned staging ring, run on the CPU with a stand-in for CUDA events (the
+GPU check is tools/check_kernels_gpu.py)."""
 from __future__ import annotations
 
 import random
 
 import torch
 
-from backend.core.transfer import PinnedRing, to_device
+from backend.core.transfer import HostToDevice, PinnedRing
 
 
 class FakeEvent:
@@ -58,7 +58,7 @@ def test_a_buffer_is_written_again_only_after_its_last_copy_is_waited_for():
     assert first.waited and FakeEvent.log == ["wait"]
 
 
-def test_to_device_on_the_cpu_is_a_plain_tensor():
-    t = to_device([[1, 2], [3, 4]], "cpu", torch.float32)
+def test_host_to_device_on_the_cpu_is_a_plain_tensor():
+    t = HostToDevice("cpu")([[1, 2], [3, 4]], torch.float32)
     assert t.tolist() == [[1.0, 2.0], [3.0, 4.0]] and t.dtype == torch.float32
-    assert to_device([5, 6], torch.device("cpu")).tolist() == [5, 6]
+    assert HostToDevice(torch.device("cpu"))([5, 6]).tolist() == [5, 6]

@@ -25,6 +25,7 @@ def _setup(prefix_lens, ext_lens, num_heads, num_kv_heads, head_dim, seed,
     further shuffled slots."""
     from backend.core.forward_batch import ForwardBatch
     from backend.core.memory_pool import KVPool, ReqToTokenPool
+    from backend.core.transfer import HostToDevice
     gen = torch.Generator().manual_seed(seed)
     pools = [KVPool(pool_size, 1, num_kv_heads, head_dim, dtype, "cpu") for _ in range(2)]
     r2t = ReqToTokenPool(rows, max_ctx, "cpu")
@@ -34,7 +35,7 @@ def _setup(prefix_lens, ext_lens, num_heads, num_kv_heads, head_dim, seed,
     for i, (prefix, n) in enumerate(zip(prefix_lens, ext_lens)):
         slots = slot_perm[used:used + prefix + n]
         used += prefix + n
-        r2t.write(row_perm[i], 0, slots)
+        r2t.write(row_perm[i], 0, slots, HostToDevice("cpu"))
         pk = torch.randn(prefix, num_kv_heads, head_dim, generator=gen).to(dtype)
         pv = torch.randn(prefix, num_kv_heads, head_dim, generator=gen).to(dtype)
         for p in pools:
@@ -200,7 +201,7 @@ for _d in (32, 256):
     CASES[f"extend-d{_d}"] = (_compare, dict(prefix_lens=[0, 12], ext_lens=[5, 18], h=2, kvh=1, d=_d, seed=_d))
     CASES[f"decode-d{_d}"] = (_compare, dict(prefix_lens=[0, 40], ext_lens=[1, 1], h=2, kvh=1, d=_d, seed=_d))
 # fp16 pools: fp32 accumulation keeps the error at output rounding. bf16 is left to
-# scripts/check_kernels_gpu.py: the interpreter's tl.dot multiplies bf16 operands as
+# tools/check_kernels_gpu.py: the interpreter's tl.dot multiplies bf16 operands as
 # their raw uint16 bit patterns.
 for _d in (96, 128):
     CASES[f"extend-fp16-d{_d}"] = (_compare, dict(prefix_lens=[3, 0], ext_lens=[9, 20], h=4, kvh=2, d=_d,

@@ -35,8 +35,6 @@ byte of the run, retracting characters already final, which no stream can follow
 """
 from __future__ import annotations
 
-import weakref
-
 STATELESS_CONTEXT_IDS = 8  # preceding ids a stateless decode_window call needs (see above)
 _REPLACEMENT = "\ufffd"
 # Suffixes that transformers' clean_up_tokenization could still merge with following text
@@ -47,11 +45,7 @@ _TRIM_AT = 256  # drop consumed ids once the anchor is this far in (bounded memo
 
 def _byte_fallback_ids(tokenizer) -> dict[int, int]:
     """{id: byte} of SentencePiece byte-fallback tokens ("<0xE6>"), when the decoder uses
-    them; cached per tokenizer.  Empty for byte-level BPE and for non-HF tokenizers."""
-    try:
-        return _BYTE_IDS[tokenizer]
-    except (KeyError, TypeError):
-        pass
+    them.  Empty for byte-level BPE and for non-HF tokenizers."""
     found: dict[int, int] = {}
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and "ByteFallback" in str(backend.decoder):
@@ -59,23 +53,13 @@ def _byte_fallback_ids(tokenizer) -> dict[int, int]:
             tid = backend.token_to_id(f"<0x{byte:02X}>")
             if tid is not None:
                 found[tid] = byte
-    try:
-        _BYTE_IDS[tokenizer] = found
-    except TypeError:  # not weak-referenceable: recompute next time
-        pass
     return found
 
 
-_BYTE_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _decoder(tokenizer):
+def _decode_fn(tokenizer):
     """``tokenizer.decode`` without the Python wrapper's per-call overhead (about 4/5 of a
     short decode): the Rust tokenizer directly, plus the wrapper's space clean-up if the
     tokenizer asks for it. Falls back to ``decode`` for slow tokenizers."""
-    fn = _DECODERS.get(tokenizer)
-    if fn is not None:
-        return fn
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "decode"):
         def fn(ids, skip):
@@ -86,14 +70,25 @@ def _decoder(tokenizer):
     else:
         def fn(ids, skip):
             return backend.decode(ids, skip_special_tokens=skip)
-    try:
-        _DECODERS[tokenizer] = fn
-    except TypeError:
-        pass
     return fn
 
 
-_DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class TokenDecoder:
+    """What decoding a window needs from a tokenizer, worked out once: build one per
+    tokenizer and pass it wherever a tokenizer is asked for (a bare tokenizer works too,
+    at the cost of redoing this every call)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.byte_of = _byte_fallback_ids(tokenizer)
+        self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.decode = _decode_fn(tokenizer)
+
+    @classmethod
+    def of(cls, tokenizer_or_decoder) -> "TokenDecoder":
+        if isinstance(tokenizer_or_decoder, TokenDecoder):
+            return tokenizer_or_decoder
+        return cls(tokenizer_or_decoder)
 
 
 def _is_continuation(byte: int | None) -> bool:
@@ -103,11 +98,11 @@ def _is_continuation(byte: int | None) -> bool:
 class _Window:
     """Decodes slices of ``ids`` and tells which part of their text is final."""
 
-    def __init__(self, tokenizer, ids: list[int], skip_special_tokens: bool) -> None:
-        self.tok, self.ids, self.skip = tokenizer, ids, skip_special_tokens
-        self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
-        self.byte_of = _byte_fallback_ids(tokenizer)
-        self._decode = _decoder(tokenizer)
+    def __init__(self, decoder: TokenDecoder, ids: list[int], skip_special_tokens: bool) -> None:
+        self.ids, self.skip = ids, skip_special_tokens
+        self.cleanup = decoder.cleanup
+        self.byte_of = decoder.byte_of
+        self._decode = decoder.decode
 
     def decode(self, a: int, b: int) -> str:
         return self._decode(self.ids[a:b], self.skip) if b > a else ""
@@ -171,14 +166,13 @@ def decode_window(tokenizer, ids: list[int], prefix_offset: int, read_offset: in
     offsets are not needed.  Cost: a few decodes of the window, independent of the length
     of the sequence.
     """
-    return _step(tokenizer, ids, prefix_offset, read_offset, skip_special_tokens, final, True)
+    win = _Window(TokenDecoder.of(tokenizer), ids, skip_special_tokens)
+    return _step(win, prefix_offset, read_offset, final, True)
 
 
-def _step(tokenizer, ids: list[int], prefix_offset: int, read_offset: int,
-          skip_special_tokens: bool, final: bool, trim_start: bool,
-          win: _Window | None = None) -> tuple[str, int, int]:
-    if win is None:
-        win = _Window(tokenizer, ids, skip_special_tokens)
+def _step(win: _Window, prefix_offset: int, read_offset: int, final: bool,
+          trim_start: bool) -> tuple[str, int, int]:
+    ids = win.ids
     end = len(ids)
     # A stateless window may begin inside a character (emitted earlier, by the window
     # rule); the anchors this module picks never do, so there stray bytes are real text.
@@ -220,14 +214,15 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_ids: list[int] | None = None,
                  skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
+        """``tokenizer``: a ``TokenDecoder`` (or a tokenizer, prepared here)."""
+        decoder = TokenDecoder.of(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         # Only the prompt's tail matters: it is the first anchor (see the window rule).
         self._ids = list(prompt_ids[-STATELESS_CONTEXT_IDS:]) if prompt_ids else []
         self._read = len(self._ids)
         # the tail may begin inside a character: start the window after its stray bytes
         # one window over self._ids for the stream's life (the list only changes in place)
-        self._win = _Window(tokenizer, self._ids, skip_special_tokens)
+        self._win = _Window(decoder, self._ids, skip_special_tokens)
         self._prefix = self._win.skip_partial(0, self._read)
         self._pieces: list[str] = []
         self._finished = False
@@ -239,9 +234,8 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
-        piece, self._prefix, self._read = _step(self.tokenizer, self._ids, self._prefix,
-                                                self._read, self.skip_special_tokens, False,
-                                                trim_start=False, win=self._win)
+        piece, self._prefix, self._read = _step(self._win, self._prefix, self._read, False,
+                                                trim_start=False)
         if self._prefix >= _TRIM_AT:
             del self._ids[:self._prefix]
             self._read -= self._prefix
@@ -255,9 +249,8 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._finished = True
-        piece, _, self._read = _step(self.tokenizer, self._ids, self._prefix, self._read,
-                                     self.skip_special_tokens, True, trim_start=False,
-                                     win=self._win)
+        piece, _, self._read = _step(self._win, self._prefix, self._read, True,
+                                     trim_start=False)
         if piece:
             self._pieces.append(piece)
         return piece

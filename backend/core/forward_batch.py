@@ -16,17 +16,41 @@ pool slot each new token's K/V is written to.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .transfer import to_device
+from .transfer import HostToDevice
 
 ALIGN_ELEMS = 2  # int64 elements per 16 bytes
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+
+
+def _pack(parts: list[list[int]], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One host->device copy for all index arrays (from pinned memory: a copy from
+    pageable memory would wait for the device to drain, which defeats overlap), and a
+    view of the copy per array. Each array starts 16-byte aligned (an odd length gets one
+    pad element): Triton compiles a kernel variant per pointer alignment, and views at
+    whatever offset the lengths gave compiled new variants while serving (~0.5 s stalls
+    each)::
+
+        flat: | part 0 | pad | part 1 | pad | ... |     (each part + pad: even length)
+    """
+    values: list[int] = []
+    for part in parts:
+        values += part
+        if len(part) % ALIGN_ELEMS:
+            values.append(0)
+    copy = device if isinstance(device, HostToDevice) else HostToDevice(device)
+    flat = copy(values)
+    views, start = [], 0
+    for part in parts:
+        views.append(flat[start:start + len(part)])
+        start += _aligned(len(part))
+    return flat, views
 
 
 @dataclass
@@ -45,11 +69,13 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
     is_decode: bool  # every request has exactly one new token
-    extra: dict = field(default_factory=dict)
     # the one device buffer ``build`` copied every index array into, each part starting
     # 16-byte aligned: the graph runners copy several fields at once through views of it
     flat: torch.Tensor | None = None
     all_rows: bool = False  # logits_indices is every token row, in order
+    # input ids that are placeholders for tokens the previous step sampled on the device
+    # (overlap scheduling; forward_step.py resolves them before the forward)
+    num_placeholders: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -97,7 +123,8 @@ class ForwardBatch:
     def build(cls, *, input_ids: list[int], req_pool_indices: list[int],
               extend_prefix_lens: list[int], extend_seq_lens: list[int],
               out_cache_loc: list[int], logits_indices: list[int],
-              device: str | torch.device) -> "ForwardBatch":
+              device: HostToDevice | str | torch.device,
+              num_placeholders: int = 0) -> "ForwardBatch":
         """Assemble from host lists; positions and offsets are derived here."""
         positions: list[int] = []
         for prefix, n in zip(extend_prefix_lens, extend_seq_lens):
@@ -106,59 +133,38 @@ class ForwardBatch:
         qo_indptr = [0]
         for n in extend_seq_lens:
             qo_indptr.append(qo_indptr[-1] + n)
-
-        # one host->device copy for all index arrays, from pinned memory: a copy from
-        # pageable memory would wait for the device to drain, which defeats overlap.
-        # Each array starts 16-byte aligned (an odd length gets one pad element): Triton
-        # compiles a kernel variant per pointer alignment, and views at whatever offset
-        # the lengths gave compiled new variants while serving (~0.5 s stalls each)
-        parts = [input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
-                 extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices]
-        values: list[int] = []
-        for part in parts:
-            values.extend(part)
-            values.extend([0] * (_aligned(len(part)) - len(part)))
-        flat = to_device(values, device)
-        views, start = [], 0
-        for part in parts:
-            views.append(flat[start:start + len(part)])
-            start += _aligned(len(part))
-        is_decode = all(n == 1 for n in extend_seq_lens)
-        return cls(
-            input_ids=views[0], positions=views[1], out_cache_loc=views[2],
-            req_pool_indices=views[3], seq_lens=views[4], extend_prefix_lens=views[5],
-            extend_seq_lens=views[6], qo_indptr=views[7], logits_indices=views[8],
-            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(extend_prefix_lens),
-            extend_seq_lens_cpu=list(extend_seq_lens),
-            is_decode=is_decode,
-            flat=flat,
-            all_rows=len(logits_indices) == len(input_ids)
-            and logits_indices == list(range(len(input_ids))),
-        )
+        all_rows = (len(logits_indices) == len(input_ids)
+                    and logits_indices == list(range(len(input_ids))))
+        return cls._assemble(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
+                             list(extend_prefix_lens), list(extend_seq_lens), qo_indptr,
+                             logits_indices, device, all(n == 1 for n in extend_seq_lens),
+                             all_rows, num_placeholders)
 
     @classmethod
     def build_decode(cls, *, input_ids: list[int], req_pool_indices: list[int],
                      positions: list[int], out_cache_loc: list[int],
-                     device: str | torch.device) -> "ForwardBatch":
+                     device: HostToDevice | str | torch.device,
+                     num_placeholders: int = 0) -> "ForwardBatch":
         """``build`` for a batch of one new token per request (token i at ``positions[i]``,
-        its logits wanted): the same fields and the same ``flat`` layout, assembled
-        without per-request loops."""
+        its logits wanted), without per-request loops."""
         b = len(input_ids)
-        seq_lens = [p + 1 for p in positions]
-        ones = [1] * b
         indptr = list(range(b + 1))
-        pad = [0] * (_aligned(b) - b)
-        values = (input_ids + pad + positions + pad + out_cache_loc + pad + req_pool_indices
-                  + pad + seq_lens + pad + positions + pad + ones + pad + indptr
-                  + [0] * (_aligned(b + 1) - b - 1) + indptr[:b] + pad)
-        flat = to_device(values, device)
-        a = _aligned(b)
-        q = 7 * a + _aligned(b + 1)
+        return cls._assemble(input_ids, positions, out_cache_loc, req_pool_indices,
+                             [p + 1 for p in positions], positions, [1] * b, indptr,
+                             indptr[:b], device, True, True, num_placeholders)
+
+    @classmethod
+    def _assemble(cls, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
+                  extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices, device,
+                  is_decode, all_rows, num_placeholders) -> "ForwardBatch":
+        """The one flat layout (``_pack``): the views ``decode_inputs``, ``token_inputs``
+        and ``request_inputs`` rely on this order of the parts."""
+        flat, v = _pack([input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
+                         extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices],
+                        device)
         return cls(
-            input_ids=flat[:b], positions=flat[a:a + b], out_cache_loc=flat[2 * a:2 * a + b],
-            req_pool_indices=flat[3 * a:3 * a + b], seq_lens=flat[4 * a:4 * a + b],
-            extend_prefix_lens=flat[5 * a:5 * a + b], extend_seq_lens=flat[6 * a:6 * a + b],
-            qo_indptr=flat[7 * a:7 * a + b + 1], logits_indices=flat[q:q + b],
-            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=positions, extend_seq_lens_cpu=ones,
-            is_decode=True, flat=flat, all_rows=True,
-        )
+            input_ids=v[0], positions=v[1], out_cache_loc=v[2], req_pool_indices=v[3],
+            seq_lens=v[4], extend_prefix_lens=v[5], extend_seq_lens=v[6], qo_indptr=v[7],
+            logits_indices=v[8], seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=extend_prefix_lens,
+            extend_seq_lens_cpu=extend_seq_lens, is_decode=is_decode, flat=flat,
+            all_rows=all_rows, num_placeholders=num_placeholders)

@@ -1,4 +1,5 @@
-"""Launching one step on the device: batch assembly, forward, sampling — no host sync.
+"""Launching one step on the device: table writes, batch assembly, forward, sampling, with
+no host sync; and reading a launched step's results back.
 
 With overlap scheduling the CPU schedules step N+1 before it has read step N's sampled
 tokens. A request whose next input is such a token carries a *placeholder* in its
@@ -13,23 +14,54 @@ step N's tokens before it schedules step N+2.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
 from .forward_batch import ForwardBatch
-from .transfer import to_device
+from .intake import GrammarProvider
+from .model_runner import ModelRunner
+from .outputs import TokenLogprob
 from .request import Req
 from .sampling import SampleResult, SamplingRow, sample
-from .scheduler import ScheduledItem
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .scheduler import ScheduledItem, SchedulePlan
 
 
 def placeholder(row: int) -> int:
     return -(row + 1)
+
+
+class PromptRow(NamedTuple):
+    """A prompt token whose logprob a step computes."""
+
+    req: Req
+    logits_row: int  # the row of the step's logits that scores it
+    token_id: int
+
+
+class SampledLogprobs(NamedTuple):
+    """Logprobs of a step's sampled tokens, on the host; row i is sampled row i."""
+
+    chosen: list[float]
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+    def record(self, row: int, token_id: int, with_top: bool) -> TokenLogprob:
+        top = None
+        if with_top and self.top_ids is not None:
+            top = dict(zip(self.top_ids[row], self.top_logprobs[row]))
+        return TokenLogprob(token_id, self.chosen[row], top)
+
+
+@dataclass
+class StepResults:
+    """A launched step's results, read to the host."""
+
+    token_ids: list[int]  # one per sampled item, in order
+    logprobs: SampledLogprobs | None
+    prompt_logprobs: list[float]  # one per prompt row, in order
 
 
 @dataclass
@@ -41,27 +73,45 @@ class InFlight:
     result: SampleResult | None
     tokens_host: torch.Tensor | None  # pinned copy of result.token_ids, filled asynchronously
     done: torch.cuda.Event | None
-    prompt_rows: list[tuple[Req, int, int]]  # (req, logits row, token it scores)
+    prompt_rows: list[PromptRow]
     prompt_logprobs: torch.Tensor | None
 
-    def token_ids(self) -> list[int]:
-        if self.result is None:
-            return []
-        if self.done is not None:
-            self.done.synchronize()
-            return self.tokens_host.tolist()
-        return self.result.token_ids.tolist()
+    def read(self) -> StepResults:
+        """The host's one wait per step."""
+        res = self.result
+        tokens: list[int] = []
+        logprobs = None
+        if res is not None:
+            if self.done is not None:
+                self.done.synchronize()
+                tokens = self.tokens_host.tolist()
+            else:
+                tokens = res.token_ids.tolist()
+            if res.logprobs is not None:
+                logprobs = SampledLogprobs(res.logprobs.tolist(), _maybe_list(res.top_ids),
+                                           _maybe_list(res.top_logprobs))
+        prompt = self.prompt_logprobs.tolist() if self.prompt_rows else []
+        return StepResults(tokens, logprobs, prompt)
 
 
 class ForwardStep:
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
-        self.last_tokens: torch.Tensor | None = None  # device tokens of the last launch
+    """The device side of a step. Holds what only the device side needs: the last
+    step's sampled tokens (placeholders resolve against them) and each seeded request's
+    generator."""
 
-    def launch(self, items: list[ScheduledItem]) -> InFlight:
-        runner = self.engine.runner
+    def __init__(self, runner: ModelRunner, grammar: GrammarProvider) -> None:
+        self.runner = runner
+        self.grammar = grammar
+        self.to_device = runner.to_device
+        self.last_tokens: torch.Tensor | None = None  # device tokens of the last launch
+        self._generators: weakref.WeakKeyDictionary[Req, torch.Generator] = \
+            weakref.WeakKeyDictionary()
+
+    def launch(self, plan: SchedulePlan) -> InFlight:
+        runner, items = self.runner, plan.items
+        runner.write_table(plan.table_writes)
         batch, prompt_rows, sample_rows = self._build(items)
-        if self.last_tokens is not None and int(batch.extra["num_placeholders"]):
+        if self.last_tokens is not None and batch.num_placeholders:
             ids = batch.input_ids
             resolved = self.last_tokens[(-ids - 1).clamp(min=0)]
             # in place: the ids stay a view of the batch's index buffer, which the CUDA
@@ -70,8 +120,8 @@ class ForwardStep:
         logits = runner.forward(batch)
         prompt_lp = None
         if prompt_rows:
-            idx = to_device([row for _, row, _ in prompt_rows], logits.device)
-            tok = to_device([t for _, _, t in prompt_rows], logits.device)
+            idx = self.to_device([row.logits_row for row in prompt_rows])
+            tok = self.to_device([row.token_id for row in prompt_rows])
             prompt_lp = torch.log_softmax(logits[idx], dim=-1).gather(1, tok.unsqueeze(1)).squeeze(1)
         sampled = [it for it in items if it.samples]
         result = tokens_host = done = None
@@ -92,32 +142,32 @@ class ForwardStep:
         batch = self._build_decode(items)
         if batch is not None:
             return batch, [], list(range(len(items)))
-        input_ids, rows, prefix_lens, new_lens, locs, logits_idx = [], [], [], [], [], []
-        prompt_rows: list[tuple[Req, int, int]] = []
+        input_ids, rows, starts, new_lens, locs, logits_idx = [], [], [], [], [], []
+        prompt_rows: list[PromptRow] = []
         sample_rows: list[int] = []
         offset = 0
         for it in items:
-            r, a, n = it.req, it.prefix_len, it.num_new
+            r, a, n = it.req, it.start_pos, it.num_new
             input_ids += r.tokens(a, a + n)
             rows.append(r.req_pool_idx)
-            prefix_lens.append(a)
+            starts.append(a)
             new_lens.append(n)
             locs += it.new_slots
             if r.wants_prompt_logprobs:
                 # the logit at position p scores prompt token p + 1
                 first = max(r.params.prompt_logprobs_start, 1) - 1
                 for p in range(max(a, first), min(a + n, len(r.origin_input_ids) - 1)):
-                    prompt_rows.append((r, len(logits_idx), r.origin_input_ids[p + 1]))
+                    prompt_rows.append(PromptRow(r, len(logits_idx), r.origin_input_ids[p + 1]))
                     logits_idx.append(offset + p - a)
             if it.samples:
                 sample_rows.append(len(logits_idx))
                 logits_idx.append(offset + n - 1)
             offset += n
         batch = ForwardBatch.build(input_ids=input_ids, req_pool_indices=rows,
-                                   extend_prefix_lens=prefix_lens, extend_seq_lens=new_lens,
+                                   extend_prefix_lens=starts, extend_seq_lens=new_lens,
                                    out_cache_loc=locs, logits_indices=logits_idx,
-                                   device=self.engine.runner.device)
-        batch.extra["num_placeholders"] = sum(1 for t in input_ids if t < 0)
+                                   device=self.to_device,
+                                   num_placeholders=sum(1 for t in input_ids if t < 0))
         return batch, prompt_rows, sample_rows
 
     def _build_decode(self, items: list[ScheduledItem]) -> ForwardBatch | None:
@@ -134,7 +184,7 @@ class ForwardStep:
             r = it.req
             if it.num_new != 1 or not it.samples or r.wants_prompt_logprobs:
                 return None
-            a = it.prefix_len
+            a = it.start_pos
             n_in = len(r.origin_input_ids)
             t = r.output_ids[a - n_in] if a >= n_in else r.origin_input_ids[a]
             if t < 0:
@@ -143,30 +193,43 @@ class ForwardStep:
             rows.append(r.req_pool_idx)
             positions.append(a)
             locs.append(it.new_slots[0])
-        batch = ForwardBatch.build_decode(input_ids=input_ids, req_pool_indices=rows,
-                                          positions=positions, out_cache_loc=locs,
-                                          device=self.engine.runner.device)
-        batch.extra["num_placeholders"] = placeholders
-        return batch
+        return ForwardBatch.build_decode(input_ids=input_ids, req_pool_indices=rows,
+                                         positions=positions, out_cache_loc=locs,
+                                         device=self.to_device, num_placeholders=placeholders)
 
-    @staticmethod
-    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``logits[rows]`` without a host sync. Indexing a CUDA tensor with a Python list
         copies the list from pageable memory, which waits for the stream to drain: the
         host would wait for this step's forward before building the next one."""
         if len(rows) == logits.shape[0]:  # increasing and distinct: every row, in order
             return logits
-        return logits.index_select(0, to_device(rows, logits.device))
+        return logits.index_select(0, self.to_device(rows))
+
+    def _generator(self, req: Req) -> torch.Generator | None:
+        seed = req.params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(req)
+        if gen is None:  # seeded per sample: sample i of a request draws its own stream
+            gen = torch.Generator(device=self.runner.device).manual_seed(seed + req.index)
+            self._generators[req] = gen
+        return gen
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
         if all(r.plain_greedy and r.grammar is None for r in reqs):
             return SampleResult(logits.argmax(dim=-1), None, None, None)
-        rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, r.generator) for r in reqs]
+        rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, self._generator(r))
+                for r in reqs]
         top = max(r.params.logprobs for r in reqs)
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:
-            grammar = self.engine.grammar
+            grammar = self.grammar.get()
             bitmask = grammar.allocate_bitmask(len(reqs))
             grammar.fill_bitmasks(bitmask, [(reqs[i].grammar, i) for i in constrained])
             grammar.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), constrained)
-        return sample(logits, rows, num_top_logprobs=top if top > 1 else 0, want_logprobs=top > 0)
+        return sample(logits, rows, self.to_device, num_top_logprobs=top if top > 1 else 0,
+                      want_logprobs=top > 0)
+
+
+def _maybe_list(t):
+    return t.tolist() if t is not None else None

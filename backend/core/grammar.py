@@ -33,11 +33,12 @@ from typing import NamedTuple, Sequence
 import torch
 import xgrammar as xgr
 
+from .token_mask import apply_bitmask
+
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices")
 # xgrammar errors carry a C++ log prefix ("[12:00:00] /project/cpp/x.cc:94: Check failed: ...
 # is false: "); strip it so clients see only the reason.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", re.S)
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the character class of xgrammar's length-bounded JSON strings, and the JSON-legal one
 _BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
@@ -74,47 +75,6 @@ def choices_to_ebnf(text: str) -> str:
     # An alternation of literals rather than a regex: no regex metacharacter escaping to get
     # wrong, and the Earley parser handles shared prefixes ("yes" | "yesterday").
     return "root ::= " + " | ".join(ebnf_literal(c) for c in dict.fromkeys(choices))
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                  rows: Sequence[int] | None = None, vocab_size: int | None = None) -> None:
-    """Set ``logits[r, t] = -inf`` wherever bit t of ``bitmask[r]`` is 0, for r in ``rows``.
-
-    ``rows`` (None: every row) index both tensors, so unconstrained requests in the same
-    batch are left untouched. The bitmask may live on CPU (where matchers fill it) while the
-    logits are on the GPU; it is copied over. Columns at or past ``vocab_size`` (padding)
-    are always masked in those rows: no grammar can accept them.
-    """
-    if rows is not None:
-        rows = [int(r) for r in rows]
-        if not rows:
-            return
-    width = logits.shape[-1]
-    vocab = min(width, bitmask.shape[-1] * 32) if vocab_size is None else min(vocab_size, width)
-    if bitmask.device != logits.device:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    kernel = logits.dim() == 2 and logits.dtype in _KERNEL_DTYPES \
-        and logits.device.type in ("cpu", "cuda")
-    if kernel:
-        try:
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
-        except ImportError:  # xgrammar's CUDA kernel is written in triton
-            kernel = False
-    if not kernel:
-        _apply_bitmask_torch(logits, bitmask, rows, vocab)
-    if width > vocab:
-        idx = slice(None) if rows is None else torch.tensor(rows, device=logits.device)
-        logits[idx, vocab:] = float("-inf")
-
-
-def _apply_bitmask_torch(logits, bitmask, rows, vocab) -> None:
-    """Device- and dtype-agnostic reference: unpack the 32 bits of each int32 word."""
-    idx = torch.arange(logits.shape[0], device=logits.device) if rows is None \
-        else torch.tensor(rows, device=logits.device)
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    bits = (bitmask[idx].unsqueeze(-1) >> shifts) & 1  # arithmetic shift is fine: we & 1
-    allowed = bits.reshape(len(idx), -1)[:, :vocab].bool()
-    logits[idx, :vocab] = logits[idx, :vocab].masked_fill(~allowed, float("-inf"))
 
 
 class GrammarState:
@@ -338,7 +298,7 @@ class GrammarBackend:
                     return result
             break
         # Fallback: xgrammar's greedy tokenization of the forced text, appended as is.
-        result = JumpForward(0, state._matcher.find_jump_forward_tokens())
+        result = JumpForward(0, state.matcher.find_jump_forward_tokens())
         if result.new_token_ids and self._try_replace(state, [], result, max_added):
             return result
         return JumpForward(0, [])

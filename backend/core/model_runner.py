@@ -10,8 +10,10 @@ from .config import EngineConfig
 from .forward_batch import ForwardBatch
 from .layers.attention import AttentionBackend, TorchAttention
 from .layers.rotary import RotaryEmbedding
+from .host_memory import HostKVPool
 from .memory_pool import KVPool, ReqToTokenPool
 from .models.registry import context_limit, model_class
+from .transfer import HostToDevice
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.weights = weights
         self.device = torch.device(config.device)
+        self.to_device = HostToDevice(self.device)  # every host list this side copies
         self.dtype = _DTYPES[config.dtype]
         self.context_len = min(config.context_length or context_limit(hf_config), context_limit(hf_config))
         self.vocab_size = hf_config.vocab_size
@@ -38,6 +41,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
         self.kv_pool = KVPool(self._kv_pool_size(), hf_config.num_hidden_layers,
                               self.num_kv_heads, self.head_dim, self.dtype, str(self.device))
+        self.host_pool = self._make_host_pool()
         self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1,
                                        str(self.device))
         self.attn = self._make_attention()
@@ -97,6 +101,18 @@ class ModelRunner:
         logger.info("KV pool: %d tokens (%.1f GiB)", size, size * per_token / 2**30)
         return size
 
+    def _make_host_pool(self) -> HostKVPool | None:
+        """The host-memory tier's KV (None without one): pinned when the pool is on a GPU,
+        so copies to and from it run asynchronously."""
+        per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
+                                           self.head_dim, self.dtype)
+        size = HostKVPool.tokens_for(self.config, self.kv_pool.size, per_token)
+        if size == 0:
+            return None
+        logger.info("host KV tier: %d tokens (%.1f GiB)", size, size * per_token / 2**30)
+        return HostKVPool(size, self.hf_config.num_hidden_layers, self.num_kv_heads,
+                          self.head_dim, self.dtype, pin=self.device.type == "cuda")
+
     def _make_attention(self) -> AttentionBackend:
         choice = self.config.attention_backend
         if choice == "auto":
@@ -121,12 +137,17 @@ class ModelRunner:
             n = min(n, self.context_len)
             batch = ForwardBatch.build(input_ids=[0] * n, req_pool_indices=[0], extend_prefix_lens=[0],
                                        extend_seq_lens=[n], out_cache_loc=[0] * n,
-                                       logits_indices=[n - 1], device=self.device)
+                                       logits_indices=[n - 1], device=self.to_device)
             self.forward(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ running
+    def write_table(self, writes) -> None:
+        """Apply the scheduler's ``TableWrite``s (row, start, slots), in order."""
+        for row, start, slots in writes:
+            self.req_pool.write(row, start, slots, self.to_device)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of the rows ``batch.logits_indices``."""

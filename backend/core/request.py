@@ -4,18 +4,19 @@ Token bookkeeping of one request::
 
     fill_ids   = origin_input_ids + output_ids
     kv_indices = slots of fill_ids[:num_computed]     (KV that exists in the pool)
-                 [ prefix_len slots owned by the radix tree | the rest owned by this request ]
+                 [ tree_owned_len slots owned by the radix tree | the rest owned by this request ]
 
 Each step extends ``num_computed`` towards ``len(fill_ids)``: a prefill chunk, or one
 decode token. The last sampled token never has KV until it is fed back next step.
+
+Plain Python: a request's device-side state (its table row's contents, its seeded
+generator) lives with the forward step, keyed by the request.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
 
 from .outputs import TokenLogprob
 from .radix_cache import TreeNode
@@ -40,10 +41,12 @@ class Req:
 
     # KV state
     kv_indices: list[int] = field(default_factory=list)
-    prefix_len: int = 0  # leading kv_indices owned by the radix tree (locked via last_node)
+    tree_owned_len: int = 0  # leading kv_indices owned by the radix tree (locked via last_node)
     last_node: TreeNode | None = None
     req_pool_idx: int | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    num_cached_tokens: int = 0  # prompt tokens served from the cache (either tier) at first admission
+    num_host_cached_tokens: int = 0  # of those, the ones loaded from the host tier
+    waiting_load: bool = False  # admitted, its cached prefix still loading from the host
     admitted_once: bool = False
 
     # scheduling
@@ -56,15 +59,15 @@ class Req:
     cached_match_len: int = 0  # last radix match length (for lpm ordering)
 
     # results
+    is_choice: bool = False  # scores one choice of a score request: no outputs of its own
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     partial_prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # across chunks
-    generator: torch.Generator | None = None
     grammar: object | None = None  # grammar.GrammarState when constrained
     grammar_future: object | None = None  # compilation in flight; not schedulable until done
-    detok: object | None = None  # output_processor.TextState
+    text_state: object | None = None  # text_state.TextState
 
     def __post_init__(self) -> None:
         # read every step for every request: fixed at creation, as the params are

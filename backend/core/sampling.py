@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .transfer import to_device
 from .sampling_params import SamplingParams
+from .transfer import HostToDevice
 
 
 @dataclass
@@ -87,10 +87,11 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     return (probs / noise).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int,
-           want_logprobs: bool, vocab_mask: torch.Tensor | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], to_device: HostToDevice,
+           num_top_logprobs: int, want_logprobs: bool,
+           vocab_mask: torch.Tensor | None = None) -> SampleResult:
     """Pick one token per row of ``logits`` ([B, V] float32). ``vocab_mask`` ([B, V] bool,
-    True = allowed) comes from grammars."""
+    True = allowed) comes from grammars; ``to_device`` copies the per-row knobs."""
     raw = logits
     logits = logits.clone() if any(r.params.has_penalties for r in rows) or vocab_mask is not None else logits
     apply_penalties(logits, rows)
@@ -101,16 +102,15 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int,
     if all(greedy):
         token_ids = logits.argmax(dim=-1)
     else:
-        dev = logits.device
         knobs = to_device([[max(r.params.temperature, 1e-5), r.params.top_k, r.params.top_p,
-                            r.params.min_p] for r in rows], dev, torch.float32)
+                            r.params.min_p] for r in rows], torch.float32)
         temperature, top_k, top_p, min_p = knobs.unbind(dim=1)
         top_k = top_k.long()
         truncate = any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
         probs = filter_logits(logits, temperature, top_k, top_p, min_p, truncate)
         token_ids = draw(probs, [r.generator for r in rows])
         if any(greedy):
-            is_greedy = to_device(greedy, dev, torch.bool)
+            is_greedy = to_device(greedy, torch.bool)
             token_ids = torch.where(is_greedy, logits.argmax(dim=-1), token_ids)
 
     if not want_logprobs:

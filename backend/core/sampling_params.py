@@ -100,6 +100,12 @@ class SamplingParams:
         except TypeError as exc:
             raise ValueError(f"invalid sampling parameters: {exc}") from exc
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that differ from their defaults, by name (``from_dict`` takes it
+        back): the form these parameters cross a process boundary in."""
+        return {name: value for name, default in _defaults(type(self)).items()
+                if (value := getattr(self, name)) != default}
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 1e-5 or self.top_k == 1
@@ -164,6 +170,12 @@ class SamplingParams:
                   and all(isinstance(c, str) and c for c in self.choices),
                   "choices must be a non-empty list of non-empty strings")
         self.constraint  # raises on conflicting constraints
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls) -> dict[str, Any]:
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(cls)}
 
 
 @functools.lru_cache(maxsize=None)

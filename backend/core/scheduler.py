@@ -10,26 +10,30 @@ Order of a step: (1) decode tokens of running requests (retracting the newest re
 if KV runs out), (2) the rest of chunked prefills, (3) admissions from the waiting queue
 under the prefill token budget, by policy: ``lpm`` (longest cached prefix first, with
 requests passed over ``starvation_bound`` times served first) or ``fcfs``.
+
+Plain Python: slots and table rows are integers from ``kv_allocator``; where a request's
+tokens live goes to the device side as ``TableWrite`` records in the step's plan, and KV
+moving between the device and host tiers as ``HostSave``/``HostLoad`` records.
+
+A request whose cached prefix is partly on the host is admitted at once: its host part
+gets device slots and a load, and the request takes no step until the load is done
+(``waiting_load``), while the others keep stepping.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from .admission import admission_order, shares_uncached
 from .config import EngineConfig
-from .memory_pool import KVPool, ReqToTokenPool
+from .host_tier import HostCopy
+from .kv_allocator import KVSlotAllocator, TableRowAllocator
 from .radix_cache import RadixCache
 from .request import Req, ReqStatus
 
-LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step costs too much
-# A waiting request that shares at least this many uncached tokens with one admitted in
-# the same step waits a step: next step those tokens come from the cache instead of
-# being computed twice (few-shot batches arriving together).
-IN_BATCH_SHARE_MIN = 16
-
-
-# an eviction frees at least this share of the pool (1/EVICT_SHARE): least recently used
-# leaves that would soon go anyway
+# an eviction frees at least this share of the pool (1/EVICT_SHARE): the lowest-ranked
+# leaves, which would soon go anyway
 EVICT_SHARE = 256
 
 
@@ -37,24 +41,47 @@ EVICT_SHARE = 256
 class ScheduledItem:
     req: Req
     num_new: int  # tokens given KV this step
-    prefix_len: int  # tokens with KV before this step
+    start_pos: int  # position of the first of them (= tokens with KV before this step)
     new_slots: list[int]
     samples: bool  # all of the request's tokens have KV after this step: it samples one
     out_index: int = -1  # where its sampled token goes in output_ids (set at launch)
 
 
+class TableWrite(NamedTuple):
+    """Positions ``start..start + len(slots)`` of table row ``row`` now hold ``slots``."""
+
+    row: int
+    start: int
+    slots: list[int]
+
+
+@dataclass(slots=True)
+class SchedulePlan:
+    """One step's decisions: what the forward side runs, what it writes first."""
+
+    items: list[ScheduledItem]
+    # applied to the request-to-token table, in order, before this step's forward
+    table_writes: list[TableWrite] = field(default_factory=list)
+    # running requests that cannot grow (one alone fills the KV pool): to finish, "length"
+    out_of_room: list[Req] = field(default_factory=list)
+    # copies between the device and host tiers, run in this order before this step's
+    # forward (also when there are no items)
+    host_copies: list[HostCopy] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_pool: KVPool, req_pool: ReqToTokenPool,
+    def __init__(self, config: EngineConfig, slots: KVSlotAllocator, rows: TableRowAllocator,
                  cache: RadixCache, context_len: int) -> None:
         self.config = config
         self.context_len = context_len
-        self.kv_pool = kv_pool
-        self.req_pool = req_pool
+        self.slots = slots
+        self.rows = rows
         self.cache = cache
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.num_retractions = 0
-        self.forced_finish: list[Req] = []  # finished by the scheduler; the engine reports them
+        # table writes made since the last plan (admissions, cache inserts after a step)
+        self._table_writes: list[TableWrite] = []
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -63,8 +90,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledItem]:
-        items, budget = self._schedule_running()
+    def schedule(self) -> SchedulePlan:
+        out_of_room: list[Req] = []
+        items, budget = self._schedule_running(out_of_room)
         items += self._schedule_waiting(budget)
         if not self.config.enable_mixed_batch:
             decode = [i for i in items if i.num_new == 1 and i.req.output_ids]
@@ -72,10 +100,17 @@ class Scheduler:
                 for i in decode:
                     self._unextend(i)
                 items = [i for i in items if i not in decode]
-        return items
+        writes = []
+        if items:  # pending writes ride with the next launch
+            writes, self._table_writes = self._table_writes, []
+        return SchedulePlan(items, writes, out_of_room, self.cache.take_copies())
+
+    def load_done(self, ticket: int) -> None:
+        """The device side finished a host load: its nodes are usable."""
+        self.cache.finish_load(ticket)
 
     # ------------------------------------------------------------------ running
-    def _schedule_running(self) -> tuple[list[ScheduledItem], int]:
+    def _schedule_running(self, out_of_room: list[Req]) -> tuple[list[ScheduledItem], int]:
         """This step's items for running requests, and the prefill budget left."""
         # one pass sorts the running requests. It runs every step for every request, so
         # it reads each length once. A decode whose last (possibly in-flight) token
@@ -84,6 +119,10 @@ class Scheduler:
         partial: list[Req] = []  # prompt (or forced) tokens left to compute
         ctx = self.context_len
         for r in self.running:
+            if r.waiting_load:
+                if not self.cache.is_ready(r.last_node):
+                    continue  # its prefix is still coming from the host
+                r.waiting_load = False
             n_in, n_out = len(r.origin_input_ids), len(r.output_ids)
             left = n_in + n_out - len(r.kv_indices)
             if left == 1:
@@ -92,12 +131,11 @@ class Scheduler:
             elif left > 1:
                 partial.append(r)
         budget = self.config.max_prefill_tokens
-        while decode and not self._ensure_free(len(decode)):
+        while decode and not self.can_fit(len(decode)):
             victim = max(decode, key=lambda r: (r.admit_time, r.rid))
             if len(self.running) == 1:
                 # one request alone fills the pool: it cannot grow any further
-                victim.finish_reason = "length"
-                self.forced_finish.append(victim)
+                out_of_room.append(victim)
                 return [], budget
             self.retract(victim)
             decode.remove(victim)
@@ -108,7 +146,7 @@ class Scheduler:
             n = min(req.num_uncomputed, budget)
             if _forced_tokens(req) and not self.config.enable_jump_forward:
                 n = 1  # forced text without jump-forward: one decode step per token
-            if not self._ensure_free(n):
+            if not self.can_fit(n):
                 break
             items.append(self._extend(req, n))
             budget -= n
@@ -132,7 +170,7 @@ class Scheduler:
         # prompts whose KV is being computed now: this step's admissions and chunked
         # prefills still under way
         admitted_prompts = [r.fill_ids for r in self.running if r.num_uncomputed > 1]
-        for req in self._admission_order():
+        for req in admission_order(self.waiting, self.cache, self.config):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if req.grammar_future is not None:
@@ -141,21 +179,24 @@ class Scheduler:
                 if not _prompt_cached(req.blocked_by):
                     continue
                 req.blocked_by = None
-            if self.req_pool.available_size() == 0:
+            if not self.rows.can_alloc():
                 break
             match = self.cache.match_prefix(req.fill_ids[:req.max_match_len()])
-            if self.cache.enabled and self._shares_uncached(req.fill_ids, len(match.kv_indices),
-                                                            admitted_prompts):
+            cached = len(match.kv_indices) + match.host_len
+            if self.cache.enabled and shares_uncached(req.fill_ids, cached, admitted_prompts):
                 continue
-            self.cache.lock(match.last_node)
-            n = min(len(req.fill_ids) - len(match.kv_indices), budget)
-            if not self._can_admit(n):
-                self.cache.unlock(match.last_node)
+            self.cache.lock(match.deepest)
+            n = min(len(req.fill_ids) - cached, budget)
+            # loaded tokens need slots but no compute: they do not count against the budget
+            if not self._can_admit(n + match.host_len):
+                self.cache.unlock(match.deepest)
                 break  # head of line waits: skipping it would let small requests starve it
             self._admit(req, match)
-            items.append(self._extend(req, n))
             admitted_arrivals.append(req.arrival)
             admitted_prompts.append(req.fill_ids)
+            if req.waiting_load:
+                continue  # it steps once its load is done
+            items.append(self._extend(req, n))
             budget -= n
         if admitted_arrivals:
             latest = max(admitted_arrivals)
@@ -164,49 +205,35 @@ class Scheduler:
                     req.times_passed_over += 1
         return items
 
-    @staticmethod
-    def _shares_uncached(ids: list[int], cached: int, others: list[list[int]]) -> bool:
-        """Whether some prompt in ``others`` agrees with ``ids`` on its first ``cached``
-        tokens and at least IN_BATCH_SHARE_MIN more. The short window past the cached
-        part is compared first: with a hundred few-shot questions admitted in one step,
-        comparing whole prompts pairwise cost more than the step itself."""
-        end = cached + IN_BATCH_SHARE_MIN
-        if len(ids) < end:
-            return False
-        window = ids[cached:end]
-        return any(other[cached:end] == window and other[:cached] == ids[:cached] for other in others)
-
-    def _admission_order(self) -> list[Req]:
-        if self.config.schedule_policy == "fcfs" or not self.cache.enabled \
-                or len(self.waiting) > LPM_MAX_QUEUE:
-            return sorted(self.waiting, key=lambda r: r.arrival)
-        for req in self.waiting:
-            req.cached_match_len = len(self.cache.match_prefix(req.fill_ids[:req.max_match_len()]).kv_indices)
-        starved = [r for r in self.waiting if r.times_passed_over >= self.config.starvation_bound]
-        rest = [r for r in self.waiting if r.times_passed_over < self.config.starvation_bound]
-        starved.sort(key=lambda r: r.arrival)
-        rest.sort(key=lambda r: (-r.cached_match_len, r.arrival))
-        return starved + rest
-
     def _can_admit(self, n: int) -> bool:
+        """Whether ``n`` new tokens fit (a check: nothing is evicted or taken here)."""
         if not self.running:
-            return self._ensure_free(n)
+            return self.can_fit(n)
         # keep room for running requests to decode, so admissions do not force retractions
         reserve = int(self.config.new_token_ratio * sum(
             r.params.max_new_tokens - len(r.output_ids) for r in self.running))
-        reserve = min(reserve, self.kv_pool.size // 2)
-        if self.kv_pool.available_size() + self.cache.evictable_size < n + reserve:
-            return False
-        return self._ensure_free(n)
+        reserve = min(reserve, self.slots.size // 2)
+        return self.can_fit(n + reserve)
 
     def _admit(self, req: Req, match) -> None:
-        req.kv_indices = list(match.kv_indices)
-        req.prefix_len = len(match.kv_indices)
-        req.last_node = match.last_node
-        req.req_pool_idx = self.req_pool.alloc()
-        self.req_pool.write(req.req_pool_idx, 0, req.kv_indices)
+        """Take the request in with its cached prefix (locked by the caller); a host part
+        gets device slots now and is loaded before the request steps."""
+        kv = list(match.kv_indices)
+        if match.host_len:
+            slots = self.take_slots(match.host_len)
+            self.cache.start_load(match, slots)
+            kv += slots
+        node = match.deepest
+        self.cache.record_use(node)
+        req.kv_indices = kv
+        req.tree_owned_len = len(kv)
+        req.last_node = node
+        req.waiting_load = not self.cache.is_ready(node)
+        req.req_pool_idx = self.rows.alloc()
+        self._table_writes.append(TableWrite(req.req_pool_idx, 0, list(kv)))
         if not req.admitted_once:
-            req.num_cached_tokens = req.prefix_len
+            req.num_cached_tokens = req.tree_owned_len
+            req.num_host_cached_tokens = match.host_len
             req.admitted_once = True
         req.admit_time = time.monotonic()
         if req.first_admit_time is None:
@@ -216,27 +243,31 @@ class Scheduler:
         self.running.append(req)
 
     # ------------------------------------------------------------------ KV helpers
-    def _ensure_free(self, n: int) -> bool:
-        short = n - self.kv_pool.available_size()
+    def can_fit(self, n: int) -> bool:
+        """Whether ``n`` slots are free or can be freed by evicting (every unlocked tree
+        node can: a lock pins its whole path to the root). A check only."""
+        return self.slots.available_size() + self.cache.evictable_size >= n
+
+    def take_slots(self, n: int) -> list[int]:
+        """``n`` slots, evicting first what is short; the caller checked ``can_fit``."""
+        short = n - self.slots.available_size()
         if short > 0:
             # an eviction walks the whole tree for its leaves: once the pool is full of
             # cache, evicting just what one step needs would walk it every step
-            self.cache.evict(max(short, self.kv_pool.size // EVICT_SHARE))
-        return self.kv_pool.available_size() >= n
+            self.cache.evict(max(short, self.slots.size // EVICT_SHARE))
+        return self.slots.alloc(n)
 
     def _extend(self, req: Req, n: int) -> ScheduledItem:
-        slots = self.kv_pool.alloc(n)
-        assert slots is not None, "caller checked free space"
-        prefix = req.num_computed
+        slots = self.take_slots(n)
+        start = req.num_computed
         req.kv_indices.extend(slots)
-        return ScheduledItem(req, n, prefix, slots, samples=req.num_uncomputed == 0)
+        return ScheduledItem(req, n, start, slots, samples=req.num_uncomputed == 0)
 
     def _extend_decodes(self, reqs: list[Req]) -> list[ScheduledItem]:
         """``_extend(r, 1)`` for each request, with one allocation for all of them."""
         if not reqs:
             return []
-        slots = self.kv_pool.alloc(len(reqs))
-        assert slots is not None, "caller checked free space"
+        slots = self.take_slots(len(reqs))
         items = []
         add = items.append
         for req, slot in zip(reqs, slots):
@@ -246,8 +277,8 @@ class Scheduler:
         return items
 
     def _unextend(self, item: ScheduledItem) -> None:
-        del item.req.kv_indices[item.prefix_len:]
-        self.kv_pool.free(item.new_slots)
+        del item.req.kv_indices[item.start_pos:]
+        self.slots.free(item.new_slots)
 
     # ------------------------------------------------------------------ completion
     def cache_unfinished(self, req: Req) -> None:
@@ -256,15 +287,18 @@ class Scheduler:
         if not self.cache.enabled or req.status is not ReqStatus.RUNNING:
             return
         tokens = req.fill_ids[:req.num_computed]
+        owned = req.tree_owned_len
         present = self.cache.insert(tokens, req.kv_indices)
-        self.kv_pool.free(req.kv_indices[req.prefix_len:present])
+        self.slots.free(req.kv_indices[owned:present])
         match = self.cache.match_prefix(tokens)
         assert len(match.kv_indices) == len(tokens)
-        if present > req.prefix_len:  # another request inserted these first: use its slots
-            self.req_pool.write(req.req_pool_idx, req.prefix_len, match.kv_indices[req.prefix_len:present])
+        if present > owned:  # another request inserted these first: use its slots
+            self._table_writes.append(TableWrite(req.req_pool_idx, owned,
+                                                 match.kv_indices[owned:present]))
         self.cache.lock(match.last_node)
         self.cache.unlock(req.last_node)
-        req.kv_indices, req.last_node, req.prefix_len = list(match.kv_indices), match.last_node, len(tokens)
+        req.kv_indices, req.last_node = list(match.kv_indices), match.last_node
+        req.tree_owned_len = len(tokens)
 
     def release(self, req: Req) -> None:
         """Give back a request's KV: computed tokens go into the tree (or are freed when
@@ -273,10 +307,10 @@ class Scheduler:
             return
         tokens = req.fill_ids[:req.num_computed]
         present = self.cache.insert(tokens, req.kv_indices)
-        self.kv_pool.free(req.kv_indices[req.prefix_len:present])
+        self.slots.free(req.kv_indices[req.tree_owned_len:present])
         self.cache.unlock(req.last_node)
-        self.req_pool.free(req.req_pool_idx)
-        req.kv_indices, req.last_node, req.prefix_len, req.req_pool_idx = [], None, 0, None
+        self.rows.free(req.req_pool_idx)
+        req.kv_indices, req.last_node, req.tree_owned_len, req.req_pool_idx = [], None, 0, None
 
     def finish(self, req: Req) -> None:
         if req.status is ReqStatus.RUNNING:
@@ -288,7 +322,7 @@ class Scheduler:
 
     def owned_slots(self) -> list[int]:
         """Slots held by running requests and not (yet) by the tree."""
-        return [s for r in self.running for s in r.kv_indices[r.prefix_len:]]
+        return [s for r in self.running for s in r.kv_indices[r.tree_owned_len:]]
 
 
 def _forced_tokens(req: Req) -> bool:
@@ -298,4 +332,4 @@ def _forced_tokens(req: Req) -> bool:
 
 def _prompt_cached(req: Req) -> bool:
     """The request's prompt KV is in the tree (computed in an earlier step, then cached)."""
-    return req.finished or req.prefix_len >= len(req.origin_input_ids)
+    return req.finished or req.tree_owned_len >= len(req.origin_input_ids)

@@ -4,9 +4,9 @@ A copy from pageable memory makes the host wait until the device has drained its
 which would defeat overlap scheduling: the values go through pinned memory. Pinning a
 fresh buffer per call (``tensor.pin_memory()``) costs more host time than the whole rest
 of a small copy, and ``torch.tensor(list)`` is slower than numpy at reading a list, so
-each device keeps a ring of pinned buffers that numpy fills in place. A buffer is written
-again only after the copy that last read it has run (an event per buffer); with several
-buffers in the ring that wait is nearly always already over.
+each ``HostToDevice`` keeps a ring of pinned buffers that numpy fills in place. A buffer
+is written again only after the copy that last read it has run (an event per buffer);
+with several buffers in the ring that wait is nearly always already over.
 """
 from __future__ import annotations
 
@@ -58,26 +58,21 @@ class PinnedRing:
         return out
 
 
-_RINGS: dict[torch.device, PinnedRing] = {}
-_RINGS_LOCK = threading.Lock()
+class HostToDevice:
+    """``copy(values, dtype)``: a host list as a tensor on ``device``, never making the
+    host wait for the device. One per model runner (its ring is reused every step)."""
 
-
-def _ring(device: torch.device) -> PinnedRing:
-    ring = _RINGS.get(device)
-    if ring is None:
-        with _RINGS_LOCK:
-            ring = _RINGS.setdefault(device, PinnedRing(device))
-    return ring
-
-
-def to_device(values: list, device: str | torch.device, dtype=torch.int64) -> torch.Tensor:
-    """A host list as a device tensor without making the host wait for the device."""
-    device = torch.device(device) if not isinstance(device, torch.device) else device
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype)
-    if dtype in _NUMPY and (not values or not isinstance(values[0], (list, tuple))):
-        if device.index is None:
+    def __init__(self, device: str | torch.device) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return _ring(device).copy(values, dtype)
-    host = torch.tensor(values, dtype=dtype)  # nested lists: shape from torch
-    return host.pin_memory().to(device, non_blocking=True)
+        self.device = device
+        self._ring = PinnedRing(device) if device.type == "cuda" else None
+
+    def __call__(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        if self._ring is None:
+            return torch.tensor(values, dtype=dtype)
+        if dtype in _NUMPY and (not values or not isinstance(values[0], (list, tuple))):
+            return self._ring.copy(values, dtype)
+        host = torch.tensor(values, dtype=dtype)  # nested lists: shape from torch
+        return host.pin_memory().to(self.device, non_blocking=True)

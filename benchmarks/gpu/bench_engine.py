@@ -139,17 +139,28 @@ class ChildEngine:
     def __init__(self, proc) -> None:
         self.proc = proc
         self._ids = itertools.count()
+        self._open: dict[str, int] = {}  # request id -> samples not finished yet
 
     def add_request(self, prompt, params=None, request_id=None, stream=True):
+        from backend.core import GenerateRequest, SamplingParams
+
         rid = request_id or f"r{next(self._ids)}"
-        self.proc.add_request(prompt, params, request_id=rid, stream=stream)
+        params = params or SamplingParams()
+        self._open[rid] = params.n
+        self.proc.submit(GenerateRequest(rid, prompt, params, stream))
         return rid
 
     def has_work(self):
-        return self.proc.has_work()
+        return bool(self._open)
 
     def step(self):
-        return self.proc.step()
+        outputs = self.proc.next_outputs(0.05).outputs
+        for o in outputs:
+            if o.finished and o.request_id in self._open:
+                self._open[o.request_id] -= 1
+                if self._open[o.request_id] <= 0 or o.error:
+                    del self._open[o.request_id]
+        return outputs
 
     def abort(self, rid):
         self.proc.abort(rid)
@@ -292,8 +303,9 @@ class SchedTimer:
             t = time.perf_counter()
             items = None
             try:
-                items = self.orig(*a, **k)
-                return items
+                plan = self.orig(*a, **k)
+                items = plan.items
+                return plan
             finally:
                 dt = time.perf_counter() - t
                 self.total += dt

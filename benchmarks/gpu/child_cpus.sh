@@ -15,7 +15,7 @@ E=("$BENCH_PY" benchmarks/gpu/bench_engine.py --model "$BENCH_SHAPES/llama-1b" -
    --reps 5 --out "$BENCH_RESULTS" --modes offline --budget-s "${CHILD_CPUS_BUDGET_S:-70}")
 run() { echo "== $1"; shift; "$@" 2>&1 | grep -E "result .*offline/b(32|128)_in32" ; }
 run in-process "${E[@]}" --config-name default
-if [ "${CHILD_CPUS_NONE:-1}" = 1 ]; then  # 0: skip the unpinned child (measured in call 55)
+if [ "${CHILD_CPUS_NONE:-1}" = 1 ]; then  # 0: skip the unpinned child
   RADIXLM_ENGINE_CPUS=none run "child, unpinned" "${E[@]}" --engine-process --config-name cpus-child-none
 fi
 run "child, step loop pinned (auto)" "${E[@]}" --engine-process --config-name cpus-child-auto

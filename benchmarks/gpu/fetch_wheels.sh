@@ -41,12 +41,17 @@ dl() {  # dl DEST SPEC...: cp312 binary wheels, no dependency resolution (we nam
 # typing-extensions (version unknown) are present; xgrammar's other needs are not.
 #   xgrammar 0.2.9: apache-tvm-ffi>=0.1.11, pydantic, torch, transformers, triton, numpy, typing-extensions>=4.9
 #   pydantic 2.14.4: annotated-types, pydantic-core==2.50.5, typing-extensions>=4.16, typing-inspection
+#   msgpack 1.2.4: the engine-process protocol (stub and engine process)
 dl "$D/site" xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 \
-   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 msgpack==1.2.4
 
 # Client side (bench_triton.py's process only). tritonclient 2.73's stubs need grpcio>=1.81.1
 # and protobuf>=6.33 (<7): carried so the machine's versions do not matter.
 dl "$D/client" tritonclient==2.73.0 grpcio==1.85.3 protobuf==6.33.6 python-rapidjson==1.25
+# radixlm-openai (bench_openai_overhead.py): FastAPI + uvicorn and what they need beyond the
+# site group's pydantic (fastapi 0.165: annotated-doc, anyio, opentelemetry-api, starlette).
+dl "$D/client" fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 anyio==4.16.0 h11==0.16.0 \
+   click==8.5.1 idna==3.20 annotated-doc==0.0.7 opentelemetry-api==1.45.2
 
 # The stub's Python must import numpy<2 (numpy 2 corrupts BYTES tensors in these stubs).
 dl "$D/stub" numpy==1.26.4

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite, by phase:  bash benchmarks/gpu/run_all.sh PHASE [PHASE ...]
 #
-#   check      environment (imports, server pieces), scripts/check_kernels_gpu.py, and the
+#   check      environment (imports, server pieces), tools/check_kernels_gpu.py, and the
 #              engine smoke test (smoke.py: CUDA-graph tokens == eager tokens on llama-1b)
 #   engine     bench_engine.py, default configuration: llama-1b, llama-8b, then the default
 #              model (offline + prefix)
@@ -9,14 +9,20 @@
 #   triton     bench_triton.py: the engine behind tritonserver over gRPC streaming
 #   instances  the same with BENCH_INSTANCES (default "2 4") Triton instances of the model
 #              sharing one engine process
-#   report     report.py: docs/benchmarks/{README.md,results.json,*.png} from
-#              benchmarks/gpu/results/*.jsonl (run it here, not on the GPU machine)
+#   cache      the two-tier radix cache: bench_cache_tiers.py (multi-turn chats with a
+#              working set 4x the GPU cache, host tier vs GPU-only LRU; load vs recompute
+#              by prefix length), then bench_engine's prefix and offline rows with the host
+#              tier on and off (same call otherwise)
+#   openai     bench_openai_overhead.py: 32 streams straight over gRPC against the same
+#              through radixlm-openai (SSE), one server (BENCH_OPENAI_MODEL, default llama-8b)
+#   report     report.py: docs/benchmarks/{README.md,*.png} from the published runs in
+#              docs/benchmarks/runs/ (run it here, after publish.py; see README.md)
 #
 # Every step is its own process under `timeout`; a failing step is logged and the next one
 # runs. The phases of one invocation share BENCH_DEADLINE_S (default 480 s): each step gets
 # a share of what is left, passed to the script as --budget-s; the script records the items
-# that do not fit as "skipped". Items already measured (status ok) in
-# benchmarks/gpu/results/*.jsonl or in this run's results are skipped (resume), unless
+# that do not fit as "skipped". Items already measured (status ok) in the raw results
+# benchmarks/gpu/results/*.jsonl (git-ignored) or in this run's are skipped (resume), unless
 # BENCH_FRESH=1 (then only this run's results count). BENCH_ONLY=REGEX runs only the steps
 # whose name ("engine llama-1b", "hf llama-8b", "overlap-off llama-1b", ...) matches;
 # BENCH_ENGINE_MODES / BENCH_TRITON_MODES narrow the engine and triton steps' --modes.
@@ -138,8 +144,8 @@ print('  server python', sys.version.split()[0], 'numpy', numpy.__version__, 'st
       | grep -E "not found|libpython" || true
   fi
   if [ "$QUICK" != 1 ]; then
-    step kernels "$(cap "$(share 3 3)" 150)" "$PY" scripts/check_kernels_gpu.py
-    if (( LAST_RC == 0 )); then note kernels ok "scripts/check_kernels_gpu.py passed (tables in log.txt)"; fi
+    step kernels "$(cap "$(share 3 3)" 150)" "$PY" tools/check_kernels_gpu.py
+    if (( LAST_RC == 0 )); then note kernels ok "tools/check_kernels_gpu.py passed (tables in log.txt)"; fi
   fi
   step smoke "$(cap "$(share 3 0)" 150)" "$PY" benchmarks/gpu/smoke.py --model "$S/$SMOKE_MODEL" "${DEV[0]}" "${DEV[1]}" "${R[@]}"
 }
@@ -217,6 +223,34 @@ phase_instances() {  # the triton rows again with N model instances in front of 
   done
 }
 
+phase_cache() {  # per model: tiers bench (weight 5), then tier on and off (3 each)
+  local m b tier ratio left_after n=${#MODELS[@]} i=0
+  for m in "${MODELS[@]}"; do
+    i=$((i + 1)); left_after=$((11 * (n - i)))
+    b=$(share 5 $((left_after + 6)))
+    step "cache-tiers $m" "$b" "$PY" benchmarks/gpu/bench_cache_tiers.py --model "$S/$m" \
+      "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
+    for tier in on off; do
+      if [ "$tier" = on ]; then ratio=2; b=$(share 3 $((left_after + 3)))
+      else ratio=0; b=$(share 3 "$left_after"); fi
+      step "tier-$tier $m" "$b" "$PY" benchmarks/gpu/bench_engine.py --model "$S/$m" \
+        --modes prefix,offline --engine-arg "host_cache_ratio=$ratio" --config-name "tier-$tier" \
+        "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
+    done
+  done
+}
+
+phase_openai() {  # the OpenAI layer's cost against direct gRPC streaming
+  local m="${BENCH_OPENAI_MODEL:-llama-8b}" b
+  [ "$QUICK" = 1 ] && m=default
+  b=$(share 1 0)
+  PYTHONPATH="$CLIENT_PYTHONPATH" step "openai $m" "$b" "$PY" benchmarks/gpu/bench_openai_overhead.py \
+    --model "$S/$m" "${DEV[@]}" "${R[@]}" --budget-s "$b" \
+    --server-python "$RADIXLM_SERVER_PYTHON" --openai-python "$PY" \
+    --server-pidfile "$SERVER_PIDFILE"
+  kill_leftover_server
+}
+
 for PHASE in "$@"; do
   echo "=== phase $PHASE at +$((SECONDS - T0))s ($(left)s left)"
   case "$PHASE" in
@@ -225,8 +259,10 @@ for PHASE in "$@"; do
     baselines) phase_baselines ;;
     triton) phase_triton ;;
     instances) phase_instances ;;
+    cache) phase_cache ;;
+    openai) phase_openai ;;
     report) "${BENCH_REPORT_PY:-$PY}" benchmarks/gpu/report.py ;;
-    *) echo "unknown phase $PHASE (check engine baselines triton report)" ;;
+    *) echo "unknown phase $PHASE (check engine baselines triton instances cache openai report)" ;;
   esac
 done
 kill_leftover_server

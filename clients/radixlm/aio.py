@@ -59,9 +59,9 @@ class AsyncTritonClient:
         request_id = request_id or uuid.uuid4().hex
         tensors = wire.encode_request(prompt, sampling_params(params), stream=stream)
         async for result in self._responses(tensors, request_id):
-            chunk = wire.decode_chunk(result.as_numpy)
-            if chunk.text or chunk.output_ids or chunk.finish_reason:
-                yield chunk
+            for chunk in wire.decode_chunks(result.as_numpy):
+                if chunk.text or chunk.output_ids or chunk.finish_reason:
+                    yield chunk
 
     async def _responses(self, tensors: list[wire.Tensor], request_id: str):
         async def one_request():

@@ -76,9 +76,9 @@ class Stream:
 
     def __iter__(self) -> Iterator[Chunk]:
         for result in self._results:
-            chunk = wire.decode_chunk(result.as_numpy)
-            if chunk.text or chunk.output_ids or chunk.finish_reason:
-                yield chunk
+            for chunk in wire.decode_chunks(result.as_numpy):
+                if chunk.text or chunk.output_ids or chunk.finish_reason:
+                    yield chunk
 
     def cancel(self) -> bool:
         return self._client.cancel(self.request_id)

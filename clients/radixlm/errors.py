@@ -12,10 +12,14 @@ class ServerError(RuntimeError):
 
 
 class ProgramError(RuntimeError):
-    """A primitive of a program failed; ``var`` names the variable it was producing."""
+    """A primitive of a program failed; ``var`` names the variable it was producing and
+    ``request_id`` the server request that failed (when there was one with an id)."""
 
-    def __init__(self, var: str | None, message: str):
+    def __init__(self, var: str | None, message: str, request_id: str | None = None):
         where = f"variable {var!r}" if var else "program"
+        if request_id:
+            where += f" (request {request_id})"
         super().__init__(f"{where}: {message}")
         self.var = var
         self.message = message
+        self.request_id = request_id

@@ -13,19 +13,21 @@ import threading
 from collections import deque
 from typing import Any, Iterator
 
+from . import ops
 from .backend import BaseBackend
 from .chat_template import ChatTemplate
 from .errors import ProgramError, ServerError
-from .ir import CachePrefix, Expr, Gen, RoleBegin, RoleEnd, Select, Text, flatten
+from .ir import (CachePrefix, Expr, Gen, GenParams, RoleBegin, RoleEnd, Select,
+                 SeparateReasoning, Text, VarScopeBegin, VarScopeEnd, flatten)
 from .results import GenerateResult
 
 
 class StreamExecutor:
-    def __init__(self, backend: BaseBackend, template: ChatTemplate, defaults: dict[str, Any],
+    def __init__(self, backend: BaseBackend, template: ChatTemplate, defaults: GenParams,
                  stream: bool = False, parent: "StreamExecutor | None" = None):
         self.backend = backend
         self.template = template
-        self.defaults = dict(defaults)  # run-level sampling parameters, overridden per gen
+        self.defaults = defaults  # run-level sampling parameters, overridden per gen
         self.stream = stream  # ask the backend for pieces as they are produced
         self.error: ProgramError | None = None
         self.children: list[StreamExecutor] = []
@@ -42,6 +44,11 @@ class StreamExecutor:
         self.messages_ = list(parent.messages_) if parent else []
         self.vars = dict(parent.vars) if parent else {}
         self.meta = dict(parent.meta) if parent else {}
+        # variable -> (start, end) of the text a gen or select appended (separate_reasoning
+        # rewrites it); var_scope name -> where its capture starts
+        self.spans: dict[str, tuple[int, int]] = dict(parent.spans) if parent else {}
+        self._scope_starts: dict[str, int] = {}
+        self.fork_start = len(parent.text_) if parent else 0
         self._role = parent._role if parent else None
         self._role_start = parent._role_start if parent else 0
         self._has_roles = parent._has_roles if parent else False
@@ -51,8 +58,7 @@ class StreamExecutor:
         primitives = flatten(expr)
         with self._cond:
             for prim in primitives:
-                name = getattr(prim, "name", None)
-                if name:
+                for name in prim.produces():
                     self._pending[name] = self._pending.get(name, 0) + 1
             self._todo.extend(primitives)
             if not self._running:
@@ -85,7 +91,9 @@ class StreamExecutor:
         with self._cond:
             if self.error is None:
                 message = exc.message if isinstance(exc, (ServerError, ProgramError)) else str(exc)
-                self.error = exc if isinstance(exc, ProgramError) else ProgramError(var, message)
+                request_id = exc.request_id if isinstance(exc, ServerError) else None
+                self.error = exc if isinstance(exc, ProgramError) else ProgramError(
+                    var, message, request_id)
                 if self.error is not exc:
                     self.error.__cause__ = exc
             self._cond.notify_all()
@@ -110,10 +118,15 @@ class StreamExecutor:
             self.vars[name] = value
             self._cond.notify_all()
 
-    def get_meta(self, name: str) -> dict[str, Any]:
+    def get_meta(self, name: str) -> dict[str, Any] | None:
         self.get_var(name)
         with self._cond:
-            return self.meta.get(name, {})
+            return self.meta.get(name)
+
+    def meta_so_far(self, name: str) -> dict[str, Any]:
+        """The meta info of ``name`` if it is complete, else {} (does not wait)."""
+        with self._cond:
+            return dict(self.meta.get(name) or {})
 
     def sync(self) -> None:
         with self._cond:
@@ -173,79 +186,83 @@ class StreamExecutor:
                     return
                 prim = self._todo.popleft()
                 failed = self.error is not None
-            name = getattr(prim, "name", None)
+            names = prim.produces()
             ok = False
             if not failed:
                 try:
                     self._execute(prim)
                     ok = True
                 except Exception as exc:  # the program fails, not the worker
-                    self.record_error(exc, name)
+                    self.record_error(exc, names[0] if names else None)
             with self._cond:
-                if name:
+                for name in names:
                     self._pending[name] -= 1
                     (self._failed.discard if ok else self._failed.add)(name)
                 self._cond.notify_all()
 
     def _execute(self, prim: Expr) -> None:
         if isinstance(prim, Text):
-            self._append(prim.text)
+            self.append(prim.text)
         elif isinstance(prim, Gen):
-            self._gen(prim)
+            ops.run_gen(self, prim)
         elif isinstance(prim, Select):
-            self._select(prim)
+            ops.run_select(self, prim)
         elif isinstance(prim, RoleBegin):
             self._role_begin(prim.role)
         elif isinstance(prim, RoleEnd):
             self._role_end(prim.role)
+        elif isinstance(prim, VarScopeBegin):
+            self._scope_starts[prim.name] = len(self.text_)
+        elif isinstance(prim, VarScopeEnd):
+            if prim.name not in self._scope_starts:
+                raise ValueError(f"var_scope {prim.name!r} ends without having begun")
+            self.set_var(prim.name, self.text_[self._scope_starts.pop(prim.name):])
+        elif isinstance(prim, SeparateReasoning):
+            ops.run_separate_reasoning(self, prim)
         elif isinstance(prim, CachePrefix):
             if self.text_:
                 self.last_prefix_result = self.backend.cache_prefix(self.text_)
         else:
             raise TypeError(f"unknown primitive {prim!r}")
 
-    def _append(self, text: str) -> None:
+    # -- what the primitives in ops.py change (worker thread) -------------------------------
+    def append(self, text: str) -> None:
         with self._cond:
             self.text_ += text
             self._cond.notify_all()
 
-    def _gen(self, prim: Gen) -> None:
-        start = len(self.text_)
+    def begin_var(self, name: str | None) -> int:
+        """A gen starts producing ``name`` (streamed pieces go to it); returns where."""
         with self._cond:
-            self._pieces[prim.name] = []
+            self._pieces[name] = []
+            return len(self.text_)
 
-        def on_text(piece: str) -> None:
-            with self._cond:
-                self.text_ += piece
-                self._pieces[prim.name].append(piece)
-                self._cond.notify_all()
-
-        params = {**self.defaults, **prim.params}
-        result = self.backend.generate(self.text_, params, on_text if self.stream else None)
+    def stream_piece(self, name: str | None, piece: str) -> None:
         with self._cond:
-            self.text_ = self.text_[:start] + result.text
-            streamed = "".join(self._pieces[prim.name])
-            if result.text.startswith(streamed) and len(result.text) > len(streamed):
-                self._pieces[prim.name].append(result.text[len(streamed):])
-            if prim.name:
-                self.vars[prim.name] = result.text
-                self.meta[prim.name] = {k: v for k, v in result._asdict().items() if k != "text"}
+            self.text_ += piece
+            self._pieces[name].append(piece)
             self._cond.notify_all()
 
-    def _select(self, prim: Select) -> None:
-        result = self.backend.score(self.text_, list(prim.choices))
-        best = result.best.choice
+    def finish_var(self, name: str | None, start: int, text: str, value: Any,
+                   meta: dict[str, Any] | None) -> None:
+        """The gen or select that began at ``start`` appended ``text``: whatever was streamed
+        is replaced by it; ``name`` gets ``value`` and ``meta``."""
         with self._cond:
-            self.text_ += best
-            if prim.name:
-                self._pieces[prim.name] = [best]
-                self.vars[prim.name] = best
-                self.meta[prim.name] = {
-                    "choice_scores": list(result.scores),
-                    "normalized_logprobs": [s.normalized_logprob for s in result.scores],
-                    "num_input_tokens": result.num_input_tokens,
-                    "num_cached_tokens": result.num_cached_tokens,
-                }
+            self.text_ = self.text_[:start] + text
+            pieces = self._pieces.setdefault(name, [])
+            streamed = "".join(pieces)
+            if text.startswith(streamed) and len(text) > len(streamed):
+                pieces.append(text[len(streamed):])
+            if name:
+                self.vars[name] = value
+                self.meta[name] = meta
+                self.spans[name] = (start, len(self.text_))
+            self._cond.notify_all()
+
+    def rewrite(self, start: int, end: int, text: str) -> None:
+        """Replace the text between ``start`` and ``end``."""
+        with self._cond:
+            self.text_ = self.text_[:start] + text + self.text_[end:]
             self._cond.notify_all()
 
     def _role_begin(self, role: str) -> None:

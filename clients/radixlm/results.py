@@ -14,7 +14,8 @@ class Chunk(NamedTuple):
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    logprobs: Any = None
+    logprobs: Any = None  # the server's logprobs JSON of this chunk's tokens
+    prompt_logprobs: Any = None  # the prompt's, when asked (prompt_logprobs_start)
 
 
 class GenerateResult(NamedTuple):
@@ -29,6 +30,7 @@ class GenerateResult(NamedTuple):
     index: int = 0
     logprobs: list | None = None
     samples: tuple["GenerateResult", ...] = ()
+    prompt_logprobs: list | None = None
 
 
 class ChoiceScore(NamedTuple):
@@ -39,6 +41,7 @@ class ChoiceScore(NamedTuple):
     num_tokens: int
     normalized_logprob: float  # logprob_sum / num_tokens
     token_logprobs: tuple[float, ...] = ()
+    token_ids: tuple[int, ...] = ()  # the choice's tokens, when the server sends them
 
 
 class ScoreResult(NamedTuple):
@@ -77,5 +80,7 @@ def merge_chunks(chunks: list[Chunk]) -> GenerateResult:
             num_cached_tokens=max(c.num_cached_tokens for c in parts),
             index=index,
             logprobs=logprobs or None,
+            prompt_logprobs=next((c.prompt_logprobs for c in chunks
+                                  if c.prompt_logprobs is not None), None),
         ))
     return samples[0]._replace(samples=tuple(samples) if len(samples) > 1 else ())

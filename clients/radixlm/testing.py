@@ -6,6 +6,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
+from . import wire
 from .backend import BaseBackend, OnText
 from .chat_template import ChatTemplate
 from .errors import ServerError
@@ -32,16 +33,24 @@ class FakeBackend(BaseBackend):
     call. Calls are recorded, the peak number of concurrent calls is kept, and
     ``num_cached_tokens`` is the longest prefix shared with any earlier prompt or output
     (a radix cache at character granularity).
+
+    It speaks the wire's sampling keys (unknown ones raise as the server's would) and the
+    logprob contract the language reads: with ``logprobs`` k, each character's logprob is
+    -1.0 and its alternatives are the next k-1 characters at -2.0, -3.0, ... (in the vLLM
+    backend's shape, with token text; ``token_text=False``: today's server's shape,
+    without); with ``prompt_logprobs_start`` the prompt's characters from there get -0.5
+    (the first prompt character none).
     """
 
     def __init__(self, reply: Reply = _default_reply, scorer: Scorer = _default_scorer,
                  fail: Callable[[str, dict[str, Any]], str | None] | None = None,
                  delay: float = 0.0, template: ChatTemplate | None = None,
-                 piece_size: int = 2):
+                 piece_size: int = 2, token_text: bool = True):
         self.reply, self.scorer, self.fail = reply, scorer, fail
         self.delay = delay
         self.template = template or ChatTemplate.chatml()
         self.piece_size = piece_size
+        self.token_text = token_text
         self.calls: list[tuple[str, str, dict[str, Any]]] = []  # (kind, prompt, params)
         self.max_concurrent = 0
         self._concurrent = 0
@@ -51,22 +60,47 @@ class FakeBackend(BaseBackend):
     def chat_template(self) -> ChatTemplate:
         return self.template
 
+    def unconditional_prompt(self) -> str:
+        return ""
+
     def generate(self, prompt: str, params: dict[str, Any],
                  on_text: OnText | None = None) -> GenerateResult:
+        wire.sampling_json(params)  # unknown keys fail here as they would on the server
         with self._enter("generate", prompt, params) as cached:
-            text = self.reply(prompt, params)
-            finish_reason = "length" if params.get("max_tokens", 1 << 30) < len(text) else "stop"
-            for stop in params.get("stop") or ():
-                text = text.split(stop)[0]
-            text = text[: params.get("max_tokens", len(text))]
-            if on_text is not None:
-                for i in range(0, len(text), self.piece_size):
-                    on_text(text[i:i + self.piece_size])
-            self._remember(prompt + text)
-            return GenerateResult(text=text, finish_reason=finish_reason,
-                                  output_ids=tuple(ord(c) for c in text),
-                                  num_input_tokens=len(prompt), num_output_tokens=len(text),
-                                  num_cached_tokens=cached)
+            samples = [self._sample(prompt, params, i, cached, on_text if i == 0 else None)
+                       for i in range(params.get("n", 1))]
+            return samples[0]._replace(samples=tuple(samples) if len(samples) > 1 else ())
+
+    def _sample(self, prompt: str, params: dict[str, Any], index: int, cached: int,
+                on_text: OnText | None) -> GenerateResult:
+        text = self.reply(prompt, params)
+        finish_reason = "length" if params.get("max_tokens", 1 << 30) < len(text) else "stop"
+        for stop in params.get("stop") or ():
+            text = text.split(stop)[0]
+        text = text[: params.get("max_tokens", len(text))]
+        if on_text is not None:
+            for i in range(0, len(text), self.piece_size):
+                on_text(text[i:i + self.piece_size])
+        self._remember(prompt + text)
+        start = params.get("prompt_logprobs_start")
+        return GenerateResult(
+            text=text, finish_reason=finish_reason, output_ids=tuple(ord(c) for c in text),
+            num_input_tokens=len(prompt), num_output_tokens=len(text), num_cached_tokens=cached,
+            index=index,
+            logprobs=[self._logprob(c, params["logprobs"]) for c in text]
+            if params.get("logprobs") else None,
+            prompt_logprobs=None if start is None else [
+                {"token_id": ord(c), "logprob": None if i == 0 else -0.5,
+                 **({"text": c} if self.token_text else {})}
+                for i, c in enumerate(prompt) if i >= start])
+
+    def _logprob(self, char: str, k: int) -> dict[str, Any]:
+        if self.token_text:  # the vLLM backend's shape, which carries the token text
+            return {str(ord(char) + j): {"logprob": -1.0 - j, "rank": j + 1,
+                                         "decoded_token": chr(ord(char) + j)}
+                    for j in range(max(k, 1))}
+        top = {str(ord(char) + j): -1.0 - j for j in range(k)} if k > 1 else {}
+        return {"token_id": ord(char), "logprob": -1.0, "top_logprobs": top}
 
     def score(self, prompt: str, choices: Sequence[str]) -> ScoreResult:
         with self._enter("score", prompt, {"choices": list(choices)}) as cached:

@@ -54,13 +54,23 @@ OUTPUTS = {
     CHOICE_SCORES: "BYTES",
 }
 
-# Keys of the ``sampling_parameters`` JSON object.
+# Keys of the ``sampling_parameters`` JSON object the server accepts.
 SAMPLING_KEYS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "n", "logprobs", "json_schema", "regex", "ebnf", "choices", "response_format",
     "skip_special_tokens", "prompt_logprobs_start",
 })
+# Keys the language sends for features the server is to add (vLLM's ``min_tokens``:
+# no stop or EOS before that many tokens; SGLang's ``stop_regex``: stop once the output
+# matches one of these regular expressions). They pass the client's check; a server
+# without them answers with its own "unknown sampling parameter" error.
+NEWER_SAMPLING_KEYS = frozenset({"min_tokens", "stop_regex"})
+# Outputs read when present and not declared by the server yet: ``prompt_logprobs``, the
+# JSON logprobs of the prompt tokens from ``prompt_logprobs_start`` on (first one null),
+# sent with a request's first response.
+PROMPT_LOGPROBS = "prompt_logprobs"
+NEWER_OUTPUTS = {PROMPT_LOGPROBS: "BYTES"}
 FINISH_REASONS = ("stop", "length", "abort")
 CHOICE_SCORE_KEYS = ("choice", "logprob_sum", "num_tokens", "normalized_logprob",
                      "token_logprobs")
@@ -81,7 +91,7 @@ def _bytes_tensor(name: str, text: str) -> Tensor:
 
 def sampling_json(params: dict[str, Any]) -> str:
     """Serialize sampling parameters; unknown keys raise ``ValueError`` before any round trip."""
-    unknown = sorted(set(params) - SAMPLING_KEYS)
+    unknown = sorted(set(params) - SAMPLING_KEYS - NEWER_SAMPLING_KEYS)
     if unknown:
         raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
     clean = {k: v for k, v in params.items() if v is not None}
@@ -108,33 +118,61 @@ def encode_request(prompt: str | Sequence[int], params: dict[str, Any] | None = 
     return tensors
 
 
+def _texts(get: Callable[[str], np.ndarray | None], name: str) -> list[str]:
+    array = get(name)
+    if array is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+
+
+def _ints(get: Callable[[str], np.ndarray | None], name: str) -> list[int]:
+    array = get(name)
+    return [int(v) for v in array.reshape(-1)] if array is not None else []
+
+
 def _text(get: Callable[[str], np.ndarray | None], name: str) -> str:
-    array = get(name)
-    if array is None or array.size == 0:
-        return ""
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    values = _texts(get, name)
+    return values[0] if values else ""
 
 
-def _int(get: Callable[[str], np.ndarray | None], name: str) -> int:
-    array = get(name)
-    return int(array.reshape(-1)[0]) if array is not None and array.size else 0
+def _json(text: str) -> Any:
+    return json.loads(text) if text else None
+
+
+def decode_chunks(get: Callable[[str], np.ndarray | None]) -> list[Chunk]:
+    """The chunks of one response: one, or one per sample when the server sent all the
+    samples of a request in one response (text_output then holds one entry per sample,
+    output_ids the samples' ids back to back, num_output_tokens where each ends)."""
+    texts = _texts(get, TEXT_OUTPUT) or [""]
+    ids = _ints(get, OUTPUT_IDS)
+    reasons = _texts(get, FINISH_REASON)
+    index, num_in, num_out, num_cached = (
+        _ints(get, name) for name in (INDEX, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS,
+                                      NUM_CACHED_TOKENS))
+    logprobs = _json(_text(get, LOGPROBS))
+    prompt_logprobs = _json(_text(get, PROMPT_LOGPROBS))
+    merged = len(texts) > 1
+
+    def at(values: list, i: int, default):
+        return values[i] if i < len(values) else default
+
+    chunks, start = [], 0
+    for i, text in enumerate(texts):
+        count = at(num_out, i, 0)
+        own_ids = ids[start:start + count] if merged else ids
+        start += count
+        chunks.append(Chunk(
+            text=text, index=at(index, i, 0), output_ids=tuple(own_ids),
+            finish_reason=at(reasons, i, ""), num_input_tokens=at(num_in, i, 0),
+            num_output_tokens=count, num_cached_tokens=at(num_cached, i, 0),
+            logprobs=logprobs[i] if merged and logprobs is not None else logprobs,
+            prompt_logprobs=prompt_logprobs))
+    return chunks
 
 
 def decode_chunk(get: Callable[[str], np.ndarray | None]) -> Chunk:
-    """One streamed (or the only) response of a generation request."""
-    ids = get(OUTPUT_IDS)
-    logprobs = _text(get, LOGPROBS)
-    return Chunk(
-        text=_text(get, TEXT_OUTPUT),
-        index=_int(get, INDEX),
-        output_ids=tuple(int(t) for t in ids.reshape(-1)) if ids is not None else (),
-        finish_reason=_text(get, FINISH_REASON),
-        num_input_tokens=_int(get, NUM_INPUT_TOKENS),
-        num_output_tokens=_int(get, NUM_OUTPUT_TOKENS),
-        num_cached_tokens=_int(get, NUM_CACHED_TOKENS),
-        logprobs=json.loads(logprobs) if logprobs else None,
-    )
+    """The (first) chunk of a response."""
+    return decode_chunks(get)[0]
 
 
 def decode_choice_scores(get: Callable[[str], np.ndarray | None]) -> list[ChoiceScore] | None:
@@ -156,4 +194,5 @@ def parse_choice_score(item: dict[str, Any]) -> ChoiceScore:
         normalized_logprob=float(normalized) if normalized is not None
         else logprob_sum / max(num_tokens, 1),
         token_logprobs=tuple(float(x) for x in item.get("token_logprobs", ())),
+        token_ids=tuple(int(x) for x in item.get("token_ids", ())),
     )

@@ -1,0 +1,1 @@
+"""Module paths of SGLang's frontend (``sglang.lang.*``), for programs that import from them."""

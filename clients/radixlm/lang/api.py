@@ -1,0 +1,3 @@
+"""``sglang.lang.api``."""
+from ..api import *  # noqa: F401,F403
+from ..api import __all__  # noqa: F401

@@ -1,0 +1,1 @@
+"""``sglang.test``: helpers SGLang's benchmark scripts import."""
