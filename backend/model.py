@@ -34,7 +34,7 @@ from backend.engine_process import EngineProcess
 from backend.metrics import EngineMetrics
 from backend.model_config import (PROJECT_ROOT, engine_config_from_parameters,
                                   engine_process_wanted, instances_on_device, read_model_info,
-                                  request_timeout_s)
+                                  request_timeout_s, time_limit_s)
 from backend.server_lifecycle import (model_ready_url, not_ready, stop_tritonserver,
                                       watch_stop_signals)
 from backend.serving import EngineLoop
@@ -318,17 +318,11 @@ class TritonPythonModel:
         return None
 
     def _timeout_s(self, request, job) -> float | None:
-        """The client's Triton ``timeout`` (microseconds), else, for a request that is not
-        streamed, the model's ``request_timeout_s`` (model_config.request_timeout_s)."""
-        limits = [] if getattr(job, "stream", False) or self.request_timeout_s is None \
-            else [self.request_timeout_s]
         try:
-            asked_us = request.timeout()
+            asked_us = request.timeout()  # the client's Triton timeout, in microseconds
         except AttributeError:  # an older python backend
             asked_us = 0
-        if asked_us and asked_us > 0:
-            limits.append(asked_us / 1e6)
-        return min(limits) if limits else None
+        return time_limit_s(getattr(job, "stream", False), self.request_timeout_s, asked_us)
 
     def finalize(self) -> None:
         if getattr(self, "watch", None) is not None:

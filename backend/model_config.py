@@ -71,6 +71,16 @@ def request_timeout_s(parameters: Mapping[str, str]) -> float | None:
     return value or None
 
 
+def time_limit_s(streamed: bool, request_timeout: float | None,
+                 client_timeout_us: int) -> float | None:
+    """A request's time limit: the client's Triton ``timeout`` (microseconds, 0: none) and,
+    for a request that is not streamed, the model's ``request_timeout_s``; None: none."""
+    limits = [] if streamed or request_timeout is None else [request_timeout]
+    if client_timeout_us and client_timeout_us > 0:
+        limits.append(client_timeout_us / 1e6)
+    return min(limits) if limits else None
+
+
 def instances_on_device(model_config: Mapping[str, Any], kind: str, device_id: int) -> int:
     """How many instances of the model Triton runs on this instance's device: its
     ``instance_group`` counts (a KIND_GPU group places ``count`` instances on each of its
