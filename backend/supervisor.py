@@ -191,9 +191,9 @@ class Supervisor:
                 return
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
-                if self.stop_reason is not None:
-                    self.say(f"tritonserver ended ({self.returncode}) "
-                             f"{self._since_stop():.1f} s after the stop began")
+                self.say(f"tritonserver ended ({self.returncode})" + (
+                    f" {self._since_stop():.1f} s after the stop began"
+                    if self.stop_reason is not None else ""))
 
     def _watch_http(self) -> None:
         """A stop nobody told us about (a SIGTERM sent to tritonserver itself): once it has
