@@ -37,10 +37,11 @@ FAKE_SERVER = textwrap.dedent("""
     (runtime / f"engine-{os.getpid()}-0123.lock").touch()
     stub = "import sys, time\\nfrom backend.stub_watch import StubLink\\n" \\
            "link = StubLink.open('llm', 'llm_0_0')\\n" \\
-           "if 'stop' in sys.argv: link.request_stop('the engine is not running')\\n" \\
            "if 'leave' in sys.argv: link.close()\\n" \\
            "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n" \\
-           "print(flush=True); time.sleep(600)\\n"
+           "print(flush=True); time.sleep(0.5)\\n" \\
+           "if 'stop' in sys.argv: link.request_stop('the engine is not running')\\n" \\
+           "time.sleep(600)\\n"
     if "stub" in args:
         child = subprocess.Popen([sys.executable, "-c", stub, *args], stdout=subprocess.PIPE)
         child.stdout.readline()
