@@ -13,8 +13,9 @@ even when its stub process is gone, so by default (``RADIXLM_ON_ENGINE_FAILURE=s
 the stub asks radixlm-serve's supervisor (``backend.supervisor``; tritonserver itself when
 there is none) to stop the server: readiness fails at once and the process exits within
 the supervisor's bound, for the orchestrator to restart it. A stub that dies outright is
-noticed by the supervisor alone (``backend.stub_watch``). ``RADIXLM_ON_ENGINE_FAILURE=serve_errors`` keeps the
-server up, answering the model's requests with the error.
+noticed by the supervisor alone (``backend.stub_watch``).
+``RADIXLM_ON_ENGINE_FAILURE=serve_errors`` keeps the server up, answering the model's
+requests with the error.
 """
 from __future__ import annotations
 
@@ -322,7 +323,8 @@ class TritonPythonModel:
             asked_us = request.timeout()  # the client's Triton timeout, in microseconds
         except AttributeError:  # an older python backend
             asked_us = 0
-        return time_limit_s(getattr(job, "stream", False), self.request_timeout_s, asked_us)
+        streamed = isinstance(job, wire.GenerateJob) and job.stream
+        return time_limit_s(streamed, self.request_timeout_s, asked_us)
 
     def finalize(self) -> None:
         if getattr(self, "watch", None) is not None:
