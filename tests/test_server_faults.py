@@ -132,8 +132,11 @@ def test_a_killed_engine_process_fails_every_stream_and_the_server_exits(tmp_pat
             assert ending.done.wait(10) and ending.kind == "error", ending.detail
             assert "the engine" in ending.detail and ending.at - killed < 5
         assert server.process.wait(20) == 1
+        exited = time.monotonic()
         assert "asks to stop the server: the engine is not running" in server.log_path.read_text()
         assert leftovers(server, triton) == []
+        print(f"\nengine killed -> last client error "
+              f"{max(grpc_end.at, http_end.at) - killed:.2f} s, server exit {exited - killed:.2f} s")
         s.close(cancel=True)
     finally:
         _stop(server.process)
