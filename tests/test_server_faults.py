@@ -18,9 +18,8 @@ import time
 
 import pytest
 import requests
-import tritonclient.grpc as grpcclient
 
-from conftest import (ADMIN_HEADERS, ADMIN_PARAMETERS, MODEL_REPOSITORY, REPO, Stream, _stop,
+from conftest import (ADMIN_HEADERS, MODEL_REPOSITORY, REPO, Stream, _stop,
                       ensure_default_model, grpc_inputs, server_stats, start_server,
                       tritonserver_pid)
 from server_faults import (LONG, grpc_stream, http_generate_in_background, http_stream,
@@ -231,29 +230,6 @@ def test_a_client_may_ask_for_a_shorter_time_limit(explicit_server):
         assert time.monotonic() - started < 2.5
     finally:
         s.close(cancel=True)
-
-
-# ---- the administrative side ----------------------------------------------------------
-
-def test_administrative_apis_and_debug_stats_need_the_admin_token(triton_server):
-    base = f"http://{triton_server.http_url}"
-    for method, path in (("GET", "/v2/logging"), ("POST", "/v2/repository/index"),
-                         ("GET", "/v2/systemsharedmemory/status"), ("GET", "/v2/trace/setting")):
-        refused = requests.request(method, base + path, timeout=10)
-        assert refused.status_code == 403, (path, refused.text)
-        assert "radixlm-admin-token" in refused.json()["error"]
-        assert requests.request(method, base + path, headers=ADMIN_HEADERS,
-                                timeout=10).status_code == 200, path
-    assert requests.get(base + "/v2/models/llm/config", timeout=10).status_code == 200  # open
-    debug = requests.post(f"{base}/v2/models/llm/generate", timeout=30,
-                          json={"parameters": {"debug": "stats", "radixlm-admin-token": "no"}})
-    assert debug.status_code == 400 and "debug requests are restricted" in debug.json()["error"]
-    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
-    with pytest.raises(Exception, match="restricted"):
-        client.get_log_settings()
-    grpc_header = {"triton-grpc-protocol-radixlm-admin-token": ADMIN_PARAMETERS[
-        "radixlm-admin-token"]}
-    assert client.get_log_settings(headers=grpc_header) is not None
 
 
 # ---- a client killed mid-stream ----------------------------------------------------------
