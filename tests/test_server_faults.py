@@ -105,6 +105,7 @@ def test_one_of_two_instances_killed_stops_the_server_and_the_orphaned_engine_ex
         starter = int(open(f"/proc/{engine}/stat").read().rsplit(")", 1)[1].split()[1])
         assert starter in stub_pids(triton).values()
         os.kill(starter, signal.SIGKILL)
+        wait_for(lambda: not ready(server), 5, "readiness to fail")
         for _, ending in streams:
             assert ending.done.wait(15), "a client hangs"
             assert ending.kind == "error" or ending.detail == "abort", ending.detail
@@ -130,12 +131,14 @@ def test_a_killed_engine_process_fails_every_stream_and_the_server_exits(tmp_pat
         for ending in (grpc_end, http_end):
             assert ending.done.wait(10) and ending.kind == "error", ending.detail
             assert "the engine" in ending.detail and ending.at - killed < 5
+        not_ready = wait_for(lambda: not ready(server), 5, "readiness to fail")
         assert server.process.wait(20) == 1
         exited = time.monotonic()
         assert "asks to stop the server: the engine is not running" in server.log_path.read_text()
         assert leftovers(server, triton) == []
         print(f"\nengine killed -> last client error "
-              f"{max(grpc_end.at, http_end.at) - killed:.2f} s, server exit {exited - killed:.2f} s")
+              f"{max(grpc_end.at, http_end.at) - killed:.2f} s, readiness false "
+              f"{not_ready - killed:.2f} s, server exit {exited - killed:.2f} s")
         s.close(cancel=True)
     finally:
         _stop(server.process)
@@ -153,6 +156,7 @@ def test_sigterm_with_streams_open_ends_each_with_abort_and_exits_within_its_bou
         http_end = http_stream(server)
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
+        not_ready = wait_for(lambda: not ready(server), 3, "readiness to fail")
         endings = [e for _, e in streams] + [http_end]
         for ending in endings:
             assert ending.done.wait(10) and (ending.kind, ending.detail) == ("final", "abort")
@@ -161,8 +165,9 @@ def test_sigterm_with_streams_open_ends_each_with_abort_and_exits_within_its_bou
         took = time.monotonic() - signalled
         assert took < 2 + 3 + 3, took
         assert leftovers(server, triton) == []
-        print(f"\nSIGTERM with 4 open streams: last final abort "
-              f"{max(e.at for e in endings) - signalled:.2f} s, exit {took:.2f} s")
+        print(f"\nSIGTERM with 4 open streams: readiness false {not_ready - signalled:.2f} s, "
+              f"last final abort {max(e.at for e in endings) - signalled:.2f} s, "
+              f"exit {took:.2f} s")
         for s, _ in streams:
             s.close(cancel=True)
     finally:
