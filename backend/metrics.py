@@ -32,6 +32,11 @@ TIME_TO_FIRST_TOKEN = "radixlm_time_to_first_token_seconds"
 TIME_PER_OUTPUT_TOKEN = "radixlm_time_per_output_token_seconds"
 E2E_LATENCY = "radixlm_e2e_request_latency_seconds"
 QUEUE_TIME = "radixlm_queue_time_seconds"
+CACHED_BY_TIER = "radixlm_cached_prompt_tokens_by_tier_total"
+KV_TRANSFER_BYTES = "radixlm_kv_transfer_bytes_total"
+HOST_LOADS = "radixlm_host_cache_loads_total"
+HOST_LOAD_SECONDS = "radixlm_host_cache_load_seconds_total"
+HOST_CACHE_TOKENS = "radixlm_host_cache_tokens"
 
 # Every request ends with one of these (an engine error is counted as "error", whatever
 # finish_reason the failed output carries); created up front so rate() starts at zero.
@@ -149,6 +154,8 @@ class EngineMetrics:
                           for reason in FINISH_REASONS}
         self._gauges = {name: factory.gauge(name, text, dict(labels))
                         for name, text in _GAUGES.items()} if gauges else {}
+        # engine-wide like the gauges: one instance of a shared engine reports them
+        self._host_tier = HostTierMetrics(factory, labels) if gauges else None
         self._histograms = {}
         for key, (name, text, buckets) in _HISTOGRAMS.items():
             try:
@@ -191,9 +198,11 @@ class EngineMetrics:
         if not self._gauges or not force and now - self._last_sample < self._sample_interval_s:
             return
         self._last_sample = now
-        values = gauge_values(engine.stats())
+        stats = engine.stats()
+        values = gauge_values(stats)
         with self._lock:
             self._gauge_values = values
+        self._host_tier.observe(stats)
 
     # -- the publisher thread
     def flush(self) -> None:
@@ -223,6 +232,8 @@ class EngineMetrics:
         for name, value in (gauges or {}).items():
             if self._sent_gauges.get(name) != value and _send(self._gauges[name].set, value):
                 self._sent_gauges[name] = value
+        if self._host_tier is not None:
+            self._host_tier.flush()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Publish what is left and stop the thread. Drops the metric objects (Triton
@@ -234,6 +245,7 @@ class EngineMetrics:
         else:
             self._flush_safely()
         self._counters, self._requests, self._gauges, self._histograms = {}, {}, {}, {}
+        self._host_tier = None
         self._factory = None
 
     def _publish_loop(self) -> None:
@@ -263,6 +275,61 @@ def _send(update, value: float) -> bool:
     except Exception as exc:
         log.warning("a metric update failed: %s", exc)
         return False
+
+
+class HostTierMetrics:
+    """The two-tier cache's series (docs/metrics.md), from the engine's running totals in
+    ``Engine.stats()``: what each sample added since the last is sent as increments."""
+
+    # series name, labels -> the stats total it follows
+    _TOTALS = {
+        (CACHED_BY_TIER, ("tier", "device")): None,  # cache_hit_tokens - cache_hit_tokens_host
+        (CACHED_BY_TIER, ("tier", "host")): "cache_hit_tokens_host",
+        (KV_TRANSFER_BYTES, ("direction", "to_host")): "kv_bytes_to_host",
+        (KV_TRANSFER_BYTES, ("direction", "to_device")): "kv_bytes_to_device",
+        (HOST_LOADS, None): "host_loads",
+        (HOST_LOAD_SECONDS, None): "host_load_seconds",
+    }
+    _TEXT = {
+        CACHED_BY_TIER: "Prompt tokens of finished requests served from each cache tier.",
+        KV_TRANSFER_BYTES: "KV bytes copied between the device and the host tier.",
+        HOST_LOADS: "Loads of cached KV from the host tier back to the device.",
+        HOST_LOAD_SECONDS: "Device time spent loading KV from the host tier, seconds.",
+    }
+
+    def __init__(self, factory: MetricFactory, labels: Mapping[str, str]) -> None:
+        self._counters = {key: factory.counter(key[0], self._TEXT[key[0]],
+                                               {**labels, **dict([key[1]] if key[1] else [])})
+                          for key in self._TOTALS}
+        self._gauge = factory.gauge(HOST_CACHE_TOKENS, "Tokens held by the host-memory tier "
+                                    "of the radix cache.", dict(labels))
+        self._lock = threading.Lock()
+        self._last: dict[tuple, float] = {key: 0.0 for key in self._TOTALS}
+        self._pending: dict[tuple, float] = {}
+        self._tokens: float | None = None
+        self._sent_tokens = 0.0  # a new gauge reads 0
+
+    def observe(self, stats: Mapping[str, Any]) -> None:
+        """Called on the engine loop thread with a stats sample."""
+        totals = {key: float(stats.get(field, 0) if field else
+                             stats.get("cache_hit_tokens", 0) - stats.get("cache_hit_tokens_host", 0))
+                  for key, field in self._TOTALS.items()}
+        with self._lock:
+            for key, total in totals.items():
+                if total > self._last[key]:
+                    self._pending[key] = self._pending.get(key, 0.0) + total - self._last[key]
+                    self._last[key] = total
+            self._tokens = float(stats.get("host_cache_tokens", 0))
+
+    def flush(self) -> None:
+        """Called on the publisher thread."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            tokens, self._tokens = self._tokens, None
+        for key, value in pending.items():
+            _send(self._counters[key].increment, value)
+        if tokens is not None and tokens != self._sent_tokens and _send(self._gauge.set, tokens):
+            self._sent_tokens = tokens
 
 
 def gauge_values(stats: Mapping[str, Any]) -> dict[str, float]:

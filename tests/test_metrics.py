@@ -248,3 +248,25 @@ def test_a_failing_metrics_api_does_not_stop_the_publisher():
     metrics.close()
     assert factory.value(m.GENERATION_TOKENS) == 5 + 8  # every other series still counts
     assert factory.value(m.REQUESTS, finish_reason="length") == 2
+
+
+def test_host_tier_series_follow_the_engine_totals_as_increments():
+    factory = FakeFactory()
+    metrics = metrics_with(factory, sample_interval_s=0.0)
+    engine = FakeEngine(cache_hit_tokens=100, cache_hit_tokens_host=30, kv_bytes_to_host=4096,
+                        kv_bytes_to_device=2048, host_loads=2, host_load_seconds=0.5,
+                        host_cache_tokens=77)
+    metrics.sample(engine)
+    metrics.flush()
+    assert factory.value(m.CACHED_BY_TIER, tier="device") == 70
+    assert factory.value(m.CACHED_BY_TIER, tier="host") == 30
+    assert factory.value(m.KV_TRANSFER_BYTES, direction="to_host") == 4096
+    assert factory.value(m.KV_TRANSFER_BYTES, direction="to_device") == 2048
+    assert factory.value(m.HOST_LOADS) == 2 and factory.value(m.HOST_LOAD_SECONDS) == 0.5
+    assert factory.value(m.HOST_CACHE_TOKENS) == 77
+    engine._stats.update(cache_hit_tokens=110, cache_hit_tokens_host=35, host_loads=3)
+    metrics.sample(engine)
+    metrics.flush()  # the counters add what the totals grew by
+    assert factory.value(m.CACHED_BY_TIER, tier="device") == 75
+    assert factory.value(m.CACHED_BY_TIER, tier="host") == 35
+    assert factory.value(m.HOST_LOADS) == 3
