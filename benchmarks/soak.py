@@ -166,10 +166,19 @@ def summarize(results, seconds: float, stats: dict, metrics: dict, expected: dic
     }
 
 
+def served_model() -> str:
+    """The default model's build recipe (tools/build_default_model.py writes it)."""
+    try:
+        marker = json.loads((REPO / "models" / "default" / "radixlm_build.json").read_text())
+        return str(marker["recipe"])
+    except (OSError, ValueError, KeyError):
+        return "unknown build"
+
+
 def write(out: Path, summary: dict, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
-               "model": "models/default (random weights, CPU)", "workers": args.workers,
+               "model": f"models/default ({served_model()}, CPU)", "workers": args.workers,
                **summary}
     (out / "soak.json").write_text(json.dumps(summary, separators=(",", ":")) + "\n")
     ok = summary["lost"] == 0 and summary["hangs"] == 0 and summary["metrics_match"] \
