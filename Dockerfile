@@ -8,6 +8,10 @@
 #   docker run ... -v /data/Qwen2.5-7B-Instruct:/mnt/model:ro -e RADIXLM_MODEL_PATH=/mnt/model ...
 # Engine settings: -e RADIXLM_PARAM_MAX_TOTAL_TOKENS=65536 -e RADIXLM_PARAM_SCHEDULE_POLICY=lpm ...
 # (docker/entrypoint.py writes them into the engine model's config.pbtxt; see deploy/README.md).
+# The entrypoint stays as PID 1 and supervises tritonserver (a dead stub stops the server,
+# SIGTERM ends it within --exit-timeout-secs + 8 s); Triton's administrative APIs need
+# the header radixlm-admin-token: give -e RADIXLM_ADMIN_TOKEN=... to use them
+# (docs/operations.md).
 
 # 25.10: CUDA 13.0, Ubuntu 24.04, Python 3.12 (needs an R580+ driver on the host).
 ARG TRITON_VERSION=25.10

@@ -108,6 +108,7 @@ class EngineProcess:
         self._dead: str | None = None
         self._left: bool | None = None  # the child's answer to Leave: was this the last stub
         self.lock: FileLock | None = None  # shared (open_shared): held while leaving
+        self.address: SocketAddress | None = None  # shared: the engine's socket
         self._tokenizer = None
         try:
             self._channel.send(first)
@@ -162,16 +163,21 @@ class EngineProcess:
         """Leave the child: ask, and wait up to ``timeout_s`` for its answer. When no other
         stub is attached it exits; the stub that started it waits for that (up to
         ``timeout_s``, then kills it). A shared engine's lock is held meanwhile, so that no
-        stub attaches to a child that is about to end; the last stub removes the lock."""
+        stub attaches to a child that is about to end; the last stub removes the lock, and
+        a stub that finds the child gone (killed: it could not remove its socket) removes
+        the socket too."""
         if self.lock is None:
             self._close(timeout_s)
             return
         with self.lock:
-            self._close(timeout_s)
-            if self._left:
+            engine_gone = self._close(timeout_s)
+            if engine_gone and self.address is not None:
+                self.address.unlink()
+            if self._left or engine_gone:
                 self.lock.remove()
 
-    def _close(self, timeout_s: float) -> None:
+    def _close(self, timeout_s: float) -> bool:
+        """Leave; True when the child was found gone (it ended without answering)."""
         try:
             self._send(proto.Leave())
         except (OSError, EngineDied):
@@ -181,6 +187,8 @@ class EngineProcess:
             with self._cv:
                 self._cv.wait_for(lambda: self._left is not None or self._dead is not None,
                                   timeout_s)
+        with self._cv:
+            engine_gone = self._left is None and self._dead is not None
         if self._proc is not None and self._left is not False:
             try:
                 self._proc.wait(timeout_s)
@@ -191,6 +199,7 @@ class EngineProcess:
         with self._cv:
             self._dead = self._dead or "the engine process was closed"
             self._cv.notify_all()
+        return engine_gone
 
     # ---- EngineHandle (submission from any thread)
     def _send(self, msg) -> None:

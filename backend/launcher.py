@@ -15,7 +15,14 @@ site-packages of the first ``python3`` on PATH, so this environment's ``bin/`` g
 libraries (libcudart, ...) on LD_LIBRARY_PATH.
 
 Every argument is passed to tritonserver unchanged; ``--model-repository`` and
-``--backend-directory`` are added only when the caller does not give them.
+``--backend-directory`` are added only when the caller does not give them, and so are the
+defaults of ``backend.server_flags`` (a bounded exit, the administrative APIs behind the
+admin token, the stubs' shared-memory regions named for this process).
+
+tritonserver runs as a child of this process, which supervises it (``backend.supervisor``):
+a stub that dies stops the server, every stop ends within a bound, and what a killed
+server leaves behind is removed. Its exit status is tritonserver's (1 when a failure
+stopped it).
 """
 from __future__ import annotations
 
@@ -27,6 +34,10 @@ import sys
 import sysconfig
 from pathlib import Path
 from typing import NamedTuple
+
+from backend.admin_access import ensure_token
+from backend.server_flags import bounds_for, hardened_args, server_plan
+from backend.supervisor import supervise
 
 BACKEND_NAME = "radixlm"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -203,12 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         command, env = prepare(args)
-    except LaunchError as exc:
+        token = ensure_token(env)
+        command = [command[0]] + hardened_args(command[1:], token, os.getpid())
+        bounds = bounds_for(command[1:], env)
+    except (LaunchError, ValueError) as exc:
         print(f"radixlm-serve: error: {exc}", file=sys.stderr)
         return 2
-    print("radixlm-serve: " + " ".join(command), file=sys.stderr, flush=True)
-    os.execve(command[0], command, env)
-    return 0  # not reached
+    shown = " ".join(command).replace(token, "<admin token>")
+    print(f"radixlm-serve: {shown}", file=sys.stderr, flush=True)
+    return supervise(server_plan(command, env, os.getpid()), bounds)
 
 
 if __name__ == "__main__":

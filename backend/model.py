@@ -1,18 +1,21 @@
 """RadixLM as a decoupled Triton Python-based backend (``backend: "radixlm"``).
 
-The only module that knows Triton's ``triton_python_backend_utils`` and the stub process
-it runs in. It reads tensors out of requests, writes responses through response senders,
-watches the stop signals, publishes metrics through Triton's custom metrics API, and
-leaves everything else to ``backend.wire`` (the wire contract), ``backend.serving`` (the
-engine loop) and ``backend.metrics`` (what the metrics are).
+With ``backend.triton_io`` (reading requests, writing responses through response
+senders, Triton's custom metrics API), the only module that knows Triton's
+``triton_python_backend_utils`` and the stub process it runs in. It watches the stop
+signals and leaves everything else to ``backend.wire`` (the wire contract),
+``backend.serving`` (the engine loop) and ``backend.metrics`` (what the metrics are).
 
 Engine failure: if the engine loop thread dies, every request fails with the reason and
 ``is_ready`` turns false (Triton versions with user-defined readiness, python_backend
 2026+, report the model not ready). Triton 2.51 has no such hook and keeps a model ready
 even when its stub process is gone, so by default (``RADIXLM_ON_ENGINE_FAILURE=shutdown``)
-the stub asks tritonserver to shut down: readiness fails at once and the process exits,
-for the orchestrator to restart it. ``RADIXLM_ON_ENGINE_FAILURE=serve_errors`` keeps the
-server up, answering the model's requests with the error.
+the stub asks radixlm-serve's supervisor (``backend.supervisor``; tritonserver itself when
+there is none) to stop the server: readiness fails at once and the process exits within
+the supervisor's bound, for the orchestrator to restart it. A stub that dies outright is
+noticed by the supervisor alone (``backend.stub_watch``).
+``RADIXLM_ON_ENGINE_FAILURE=serve_errors`` keeps the server up, answering the model's
+requests with the error.
 """
 from __future__ import annotations
 
@@ -24,121 +27,23 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend import wire
+from backend import admin_access, wire
 from backend.engine_process import EngineProcess
 from backend.metrics import EngineMetrics
 from backend.model_config import (PROJECT_ROOT, engine_config_from_parameters,
-                                  engine_process_wanted, instances_on_device, read_model_info)
-from backend.server_lifecycle import (parent_ready_url, server_not_ready, stop_tritonserver,
+                                  engine_process_wanted, instances_on_device, read_model_info,
+                                  request_timeout_s, time_limit_s)
+from backend.server_lifecycle import (model_ready_url, not_ready, stop_tritonserver,
                                       watch_stop_signals)
 from backend.serving import EngineLoop
 from backend.shared_engine import open_shared
-
-_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+from backend.stub_watch import StubLink, protect_shm_region
+from backend.triton_io import (TritonMetricFactory, TritonResponseSink, read_inputs,
+                               read_parameters)
 
 ON_ENGINE_FAILURE = "RADIXLM_ON_ENGINE_FAILURE"  # "shutdown" (default) or "serve_errors"
-
-
-class TritonResponseSink:
-    """``serving.ResponseSink`` over one request's response sender."""
-
-    def __init__(self, request) -> None:
-        self._request = request
-        self._sender = request.get_response_sender()
-        # Only the outputs the client asked for (none named: all of them). Each output
-        # tensor is one more shared-memory block per streamed response.
-        try:
-            self.wanted = frozenset(request.requested_output_names()) or None
-        except AttributeError:  # an older python backend
-            self.wanted = None
-
-    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
-        wanted = self.wanted
-        tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()
-                   if wanted is None or name in wanted]
-        try:
-            self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
-                              flags=_FINAL if final else 0)
-        finally:
-            if final:
-                self._release()
-
-    def send_error(self, message: str, cancelled: bool = False) -> None:
-        code = pb_utils.TritonError.CANCELLED if cancelled else pb_utils.TritonError.INVALID_ARG
-        error = pb_utils.TritonError(message, code)
-        try:
-            self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
-                              flags=_FINAL)
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        """Drop the request at its final response. Triton counts a request in flight
-        (and will not unload the model) until the stub's request object is destroyed;
-        the bookkeeping that still points at this sink may sit in a reference cycle that
-        only the cyclic collector frees, and this process allocates too little for that
-        to run soon."""
-        self._request = None
-        self._sender = None
-
-    def is_cancelled(self) -> bool:
-        # One IPC round trip to the server process (~30-70 us): the loop polls it for
-        # every pending request, so ask once (the request's flag is the sender's too).
-        request = self._request
-        return True if request is None else request.is_cancelled()
-
-
-class TritonMetricFactory:
-    """``backend.metrics.MetricFactory`` over ``pb_utils.MetricFamily``: one family per
-    metric name, kept until ``close`` (Triton wants a family to outlive its metrics)."""
-
-    def __init__(self) -> None:
-        self._families: dict[str, object] = {}
-
-    def _family(self, name: str, description: str, kind):
-        if name not in self._families:
-            self._families[name] = pb_utils.MetricFamily(name=name, description=description,
-                                                         kind=kind)
-        return self._families[name]
-
-    def counter(self, name, description, labels):
-        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
-
-    def gauge(self, name, description, labels):
-        return self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
-
-    def histogram(self, name, description, labels, buckets):
-        kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)  # Triton 2.49+
-        if kind is None:
-            raise NotImplementedError("this Python backend has no histogram metrics")
-        return self._family(name, description, kind).Metric(labels=labels, buckets=list(buckets))
-
-    def close(self) -> None:
-        self._families.clear()
-
-
-def _read_inputs(request) -> dict[str, np.ndarray]:
-    # one inputs() call: pb_utils.get_input_tensor_by_name rebuilds the request's whole
-    # input list for every name it looks up
-    return {name: tensor.as_numpy() for tensor in request.inputs()
-            if (name := tensor.name()) in _INPUT_NAMES}
-
-
-_INPUT_NAMES = frozenset(wire.INPUT_NAMES)
-
-
-def _read_parameters(request) -> dict:
-    text = request.parameters()
-    if not text:
-        return {}
-    try:
-        parameters = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise wire.InputError(f"request parameters are not valid JSON: {exc}") from exc
-    return parameters if isinstance(parameters, dict) else {}
 
 
 class TritonPythonModel:
@@ -152,6 +57,8 @@ class TritonPythonModel:
         return auto_complete_model_config
 
     def initialize(self, args) -> None:
+        protect_shm_region()  # before any prompt passes through it
+        self.watch = None
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(
@@ -163,6 +70,7 @@ class TritonPythonModel:
         model_dir = Path(args["model_repository"])
         search_dirs = [model_dir, model_dir.parent, model_dir.parent.parent, PROJECT_ROOT]
         config = engine_config_from_parameters(parameters, search_dirs)
+        self.request_timeout_s = request_timeout_s(parameters)
         self.logger = pb_utils.Logger
         self._check_model_info(parameters, search_dirs)
         if args.get("model_instance_kind") == "GPU" and config.device == "cuda":
@@ -182,9 +90,9 @@ class TritonPythonModel:
         self.engine, reports_gauges = self._open_engine(config, parameters, instances, key)
         self.model_name = args["model_name"]
         self.stop_signal = watch_stop_signals()
-        self.server_ready_url = parent_ready_url()
-        self.logger.log_info(f"radixlm: server shutdown is read from {self.server_ready_url}"
-                             if self.server_ready_url else
+        self.ready_url = model_ready_url(self.model_name, str(args.get("model_version", "")))
+        self.logger.log_info(f"radixlm: server shutdown is read from {self.ready_url}"
+                             if self.ready_url else
                              "radixlm: tritonserver serves no HTTP; server shutdown is read "
                              "from the model's readiness")
         if self.stop_signal is None:
@@ -207,7 +115,12 @@ class TritonPythonModel:
         gc.collect()
         gc.freeze()
         self.loop.start()
-        self.logger.log_info("radixlm: engine ready")
+        # Last: a stub that dies while loading fails the load; Triton reports that itself.
+        self.watch = StubLink.open_logged(self.model_name, args["model_instance_name"],
+                                          self.logger.log_error)
+        self.logger.log_info("radixlm: engine ready" + (
+            "; radixlm-serve watches this stub" if self.watch is not None else
+            " (no radixlm-serve supervisor: a crash of this stub is not noticed)"))
 
     def _open_engine(self, config, parameters: dict, instances: int, key: str):
         """The engine handle for this instance, and whether this instance reports the
@@ -237,14 +150,16 @@ class TritonPythonModel:
     def _server_stopping(self) -> bool:
         """Polled by the engine loop while requests are pending (never after finalize).
         A signal to the stub's process group is one sign; the other covers a SIGTERM to
-        tritonserver alone (Kubernetes signals only the container's first process): from
-        then on Triton answers "Server not ready" on its health endpoint. That endpoint
-        is asked over HTTP: ``pb_utils.is_model_ready`` crashed the stub (SIGSEGV) when
-        asked while the server was unloading models."""
+        tritonserver alone (Kubernetes signals only the container's first process) and an
+        unload of this model: from then on Triton's HTTP endpoint no longer answers, or
+        says this model is not ready (the server's own readiness would also turn false
+        when another model fails to load: server_lifecycle.model_ready_url). It is asked
+        over HTTP: ``pb_utils.is_model_ready`` crashed the stub (SIGSEGV) when asked while
+        the server was unloading models."""
         if self.stop_signal is not None and self.stop_signal.is_set():
             return True
-        if self.server_ready_url is not None:
-            return server_not_ready(self.server_ready_url)
+        if self.ready_url is not None:
+            return not_ready(self.ready_url)
         try:  # no HTTP: the query that crashed during unloads is all there is
             return not pb_utils.is_model_ready(self.model_name)
         except pb_utils.TritonModelException:
@@ -259,7 +174,11 @@ class TritonPythonModel:
         action = os.environ.get(ON_ENGINE_FAILURE, "shutdown")
         self.logger.log_error(f"radixlm: the engine is not running ({reason}); every "
                               f"request of this model now fails ({ON_ENGINE_FAILURE}={action})")
-        if action == "shutdown":
+        if action != "shutdown":
+            return
+        if self.watch is not None:  # the supervisor stops it, within its bound
+            self.watch.request_stop(f"the engine is not running ({reason})")
+        else:
             stop_tritonserver(self.logger)
 
     def _check_model_info(self, parameters: dict, search_dirs: list[Path]) -> None:
@@ -277,12 +196,16 @@ class TritonPythonModel:
         for request in requests:
             sink = TritonResponseSink(request)
             try:
-                parameters = _read_parameters(request)
+                parameters = read_parameters(request)
+                presented = admin_access.take_presented(parameters)
+                if wire.DEBUG in parameters and not admin_access.admitted(presented):
+                    sink.send_error(admin_access.refusal())
+                    continue
                 if self.loop.diagnostics.wants_fault(parameters, wire.DEBUG):
                     self.loop.inject_fault("fault injected by a debug request")
                     sink.send_error("fault injected: the engine loop will die")
                     continue
-                job = wire.parse_request(_read_inputs(request), parameters)
+                job = wire.parse_request(read_inputs(request), parameters)
             except wire.InputError as exc:
                 sink.send_error(str(exc))
                 continue
@@ -290,11 +213,23 @@ class TritonPythonModel:
                 self.logger.log_error(f"radixlm: parsing a request failed: {exc!r}")
                 sink.send_error(f"internal error: {exc}")
                 continue
-            self.loop.submit(job, sink, request.request_id() if self.loop.tracing else None)
+            self.loop.submit(job, sink, request.request_id() if self.loop.tracing else None,
+                             self._timeout_s(request, job))
         self.loop.note_intake(started, time.perf_counter(), len(requests))
         return None
 
+    def _timeout_s(self, request, job) -> float | None:
+        try:
+            asked_us = request.timeout()  # the client's Triton timeout, in microseconds
+        except AttributeError:  # an older python backend
+            asked_us = 0
+        streamed = isinstance(job, wire.GenerateJob) and job.stream
+        return time_limit_s(streamed, self.request_timeout_s, asked_us)
+
     def finalize(self) -> None:
+        if getattr(self, "watch", None) is not None:
+            self.watch.close()  # from now on this stub's exit is expected
+            self.watch = None
         loop = getattr(self, "loop", None)
         if loop is not None:
             self.logger.log_info("radixlm: finalize: stopping the engine loop")

@@ -13,8 +13,9 @@ from backend.core.config import EngineConfig
 MODEL_INFO_PARAMETERS = ("chat_template", "eos_token", "bos_token")
 # config.pbtxt parameters of the serving layer, not of EngineConfig: engine_process
 # ("auto", the default: on for CUDA devices; "true": the engine steps in a child process
-# of the stub; "false": in a thread of the stub)
-SERVING_PARAMETERS = ("engine_process",)
+# of the stub; "false": in a thread of the stub) and request_timeout_s (below)
+SERVING_PARAMETERS = ("engine_process", "request_timeout_s")
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 _PATH_KEYS = ("model_path", "tokenizer_path")
 # Where relative model paths may also live: the project root holding backend/ (this file
@@ -51,6 +52,32 @@ def engine_process_wanted(parameters: Mapping[str, str], device: str,
     if text.strip().lower() == "auto":
         return device.startswith("cuda") or instances > 1
     return _convert("engine_process", "bool", text)
+
+
+def request_timeout_s(parameters: Mapping[str, str]) -> float | None:
+    """The ``request_timeout_s`` parameter: how long a request that is not streamed may
+    run before it is cancelled (600 s by default; 0: no limit).
+
+    Why: Triton 2.51's HTTP frontend does not read the connection while a request runs,
+    so a client of ``generate`` that disconnects is never seen (only a streamed response
+    fails to send, and gRPC cancels); without a limit its request would generate to its
+    end. A client may ask for less with Triton's request ``timeout`` parameter."""
+    text = parameters.get("request_timeout_s", "").strip()
+    value = DEFAULT_REQUEST_TIMEOUT_S if not text else _convert("request_timeout_s", "float", text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"model parameter request_timeout_s={text!r} must be a finite "
+                         "number of seconds >= 0")
+    return value or None
+
+
+def time_limit_s(streamed: bool, request_timeout: float | None,
+                 client_timeout_us: int) -> float | None:
+    """A request's time limit: the client's Triton ``timeout`` (microseconds, 0: none) and,
+    for a request that is not streamed, the model's ``request_timeout_s``; None: none."""
+    limits = [] if streamed or request_timeout is None else [request_timeout]
+    if client_timeout_us and client_timeout_us > 0:
+        limits.append(client_timeout_us / 1e6)
+    return min(limits) if limits else None
 
 
 def instances_on_device(model_config: Mapping[str, Any], kind: str, device_id: int) -> int:

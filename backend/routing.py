@@ -41,8 +41,8 @@ class Router:
         done = len(tracked.finished) >= tracked.num_samples
         if tracked.cancelled:
             if done:
-                self.finish(rid, tracked,
-                            lambda: tracked.sink.send_error("request cancelled", cancelled=True))
+                self.finish(rid, tracked, lambda: tracked.sink.send_error(
+                    tracked.cancel_message, cancelled=True))
             return
         if isinstance(tracked.job, wire.ScoreJob):
             if out.finished:

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import stat
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+
+# Every file of ours in the folder is named for the process whose life it belongs to:
+# ``engine-<tritonserver pid>-<digest>.sock|.lock`` (a shared engine), ``watch-<pid>.sock``
+# (radixlm-serve's stub watch). Files whose process is gone are garbage.
+_OWNED = re.compile(r"^(?:engine|watch)-(\d+)[-.]")
 
 
 class UnsafeRuntimeDir(PermissionError):
@@ -66,6 +73,26 @@ class PrivateDir:
     def close(self) -> None:
         os.close(self.fd)
 
+    def owned_files(self) -> dict[str, int]:
+        """Our files here, with the pid each belongs to."""
+        return {name: int(m.group(1)) for name in os.listdir(self.fd)
+                if (m := _OWNED.match(name))}
+
+    def remove_files_of(self, pid: int) -> list[str]:
+        """Remove the files of process ``pid`` (once it has ended); the names removed."""
+        gone = [name for name, owner in self.owned_files().items() if owner == pid]
+        for name in gone:
+            self.unlink(name)
+        return gone
+
+    def remove_files_of_dead(self) -> list[str]:
+        """Remove the files of processes that no longer run (a server killed before it
+        could clean up); the names removed."""
+        gone = [name for name, owner in self.owned_files().items() if not pid_alive(owner)]
+        for name in gone:
+            self.unlink(name)
+        return gone
+
     def __enter__(self) -> "PrivateDir":
         return self
 
@@ -111,6 +138,16 @@ class SocketAddress:
                 return True
             except FileNotFoundError:
                 return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
 
 
 def check_peer(sock: socket.socket, expected_uid: int | None = None) -> None:

@@ -1,7 +1,8 @@
-"""The stub's view of the server's life: is tritonserver stopping, and how to stop it.
+"""The stub's view of the server's life: is tritonserver stopping (or unloading our
+model), and how to stop it.
 
-No Triton import here: it reads the stub's parent process (/proc), its HTTP readiness
-endpoint and the stop signals of the stub's process group.
+No Triton import here: it reads the stub's parent process (/proc), the model's HTTP
+readiness endpoint and the stop signals of the stub's process group.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 
 def stop_tritonserver(logger) -> None:
@@ -29,17 +31,9 @@ def stop_tritonserver(logger) -> None:
     os.kill(parent, signal.SIGTERM)
 
 
-def parent_ready_url(pid: int | None = None) -> str | None:
-    """tritonserver's HTTP readiness URL, from the flags of the stub's parent
-    (``--http-port``, ``--allow-http``; Triton's default port 8000); None when the parent
-    is not tritonserver or serves no HTTP."""
-    pid = pid or os.getppid()
-    try:
-        if Path(f"/proc/{pid}/comm").read_text().strip() != "tritonserver":
-            return None
-        args = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-    except OSError:
-        return None
+def tritonserver_flags(args: list[str]) -> dict[str, str]:
+    """tritonserver's ``--flag=value`` / ``--flag value`` arguments by name (``_`` read as
+    ``-``; the last of a repeated flag wins)."""
     flags: dict[str, str] = {}
     for i, arg in enumerate(args):
         if arg.startswith("--"):
@@ -47,19 +41,54 @@ def parent_ready_url(pid: int | None = None) -> str | None:
             if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
                 value = args[i + 1]
             flags[key.replace("_", "-")] = value
+    return flags
+
+
+def http_base_url(args: list[str]) -> str | None:
+    """Where this host reaches tritonserver's HTTP endpoint, from its flags (Triton's
+    default port 8000); None when it serves no HTTP."""
+    flags = tritonserver_flags(args)
     if flags.get("allow-http", "true").lower() in ("false", "0", "no", "off"):
         return None
-    return f"http://127.0.0.1:{flags.get('http-port', '8000')}/v2/health/ready"
+    host = flags.get("http-address", "0.0.0.0")
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"http://{host}:{flags.get('http-port', '8000')}"
 
 
-def server_not_ready(url: str, timeout_s: float = 2.0) -> bool:
-    """True when tritonserver says it is not ready (shutting down) or no longer
-    answers; False when ready or when the answer did not come in time."""
+def model_ready_url(model: str, version: str = "", pid: int | None = None) -> str | None:
+    """The readiness URL of ``model`` on tritonserver, the stub's parent (read from its
+    flags); None when the parent is not tritonserver or serves no HTTP.
+
+    Why the model's and not the server's (``/v2/health/ready``): with strict readiness
+    (Triton's default) the server is not ready while any model is not, so in explicit
+    model-control mode a failed load of another model turns it false. Our model's
+    readiness turns false only when it is being unloaded, and the endpoint stops
+    answering when the server stops: both mean our requests must end now."""
+    pid = pid or os.getppid()
+    try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "tritonserver":
+            return None
+        args = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return None
+    base = http_base_url(args)
+    if base is None:
+        return None
+    path = f"/v2/models/{quote(model, safe='')}" + (f"/versions/{version}" if version else "")
+    return f"{base}{path}/ready"
+
+
+def not_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """True when tritonserver says the model at ``url`` is not ready (being unloaded) or
+    no longer answers (stopping); False when ready or when the answer did not come in
+    time."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as answer:
             return answer.status != 200
-    except urllib.error.HTTPError:
-        return True  # "Server not ready"
+    except urllib.error.HTTPError as exc:
+        # 403: the health API is restricted (an operator's --http-restricted-api), which
+        # says nothing about the model; signals are then the only sign of a stop
+        return exc.code != 403
     except (urllib.error.URLError, ConnectionError) as exc:
         return not isinstance(getattr(exc, "reason", None), TimeoutError)
     except TimeoutError:

@@ -87,8 +87,10 @@ class EngineLoop:
         return self._outbox.pending()
 
     # -- called from Triton's execute thread
-    def submit(self, job: wire.Job, sink: ResponseSink, label: str | None = None) -> None:
-        """``label``: the request's name in traces (Triton's request id)."""
+    def submit(self, job: wire.Job, sink: ResponseSink, label: str | None = None,
+               timeout_s: float | None = None) -> None:
+        """``label``: the request's name in traces (Triton's request id). ``timeout_s``:
+        the request is cancelled (its final response an error) after that long."""
         if self.failure is not None:
             safe_call(sink.send_error, f"the engine is not running ({self.failure}); "
                                        "the model is unavailable")
@@ -104,6 +106,9 @@ class EngineLoop:
         n = job.params.n if isinstance(job, wire.GenerateJob) else 1
         tracked = Tracked(job=job, sink=sink, prompt_text=prompt_text, num_samples=n,
                           wanted=sink.wanted, trace=self.diagnostics.new_trace(label or rid))
+        if timeout_s is not None and timeout_s > 0:
+            tracked.deadline = time.monotonic() + timeout_s
+            tracked.cancel_message = f"request timed out (its limit: {timeout_s:g} s)"
         if isinstance(job, wire.ScoreJob):
             request = ScoreRequest(rid, job.prompt, job.choices)
         else:
@@ -243,9 +248,15 @@ class EngineLoop:
             safe_call(sink.send, wire.stats_outputs(stats), True)
 
     def _abort_cancelled(self) -> None:
+        """Abort each request whose client left (its sink says so) or whose time is up."""
+        now = time.monotonic()
         with self._lock:
             candidates = [(rid, t) for rid, t in self._active.items() if not t.cancelled]
         for rid, tracked in candidates:
+            if tracked.deadline is not None and now >= tracked.deadline:
+                tracked.cancelled = True
+                self.engine.abort(rid)
+                continue
             if not tracked.io_lock.acquire(blocking=False):
                 continue  # a sender is busy with it: ask next round, do not wait here
             try:

@@ -46,6 +46,8 @@ class Tracked:
     samples: dict[int, SampleText] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     cancelled: bool = False  # by the client: its final response is a CANCELLED error
+    cancel_message: str = "request cancelled"  # that error's text
+    deadline: float | None = None  # time.monotonic() past which the request is cancelled
     aborted: bool = False  # by the server shutting down: a final with finish_reason "abort"
     # Once the final response is sent, Triton frees the request's response factory and
     # any later call on the sink (an is_cancelled poll included) would touch freed

@@ -109,14 +109,16 @@ def measure(policy: str, args, requests, fault: bool = False) -> dict:
         if fault:  # traffic goes on to the others: a fresh request after the run
             result["after_fault_ok"] = _one_more(cluster.url)
         else:  # where the work went: each replica's engine counters
-            result["per_replica"] = [_engine_counts(r.http_url) for r in cluster.members]
+            result["per_replica"] = [_engine_counts(r.http_url, cluster.admin_token)
+                                     for r in cluster.members]
     print(policy, "fault" if fault else "", json.dumps(result), flush=True)
     return {"policy": policy, "fault": fault, **result}
 
 
-def _engine_counts(http_url: str) -> dict:
+def _engine_counts(http_url: str, admin_token: str) -> dict:
+    debug = {"debug": "stats", "radixlm-admin-token": admin_token}
     request = urllib.request.Request(f"http://{http_url}/v2/models/llm/generate",
-                                     data=json.dumps({"parameters": {"debug": "stats"}}).encode())
+                                     data=json.dumps({"parameters": debug}).encode())
     with urllib.request.urlopen(request, timeout=30) as response:
         stats = json.loads(json.loads(response.read())["stats"])
     return {"requests": stats["finished_requests"], "prompt_tokens": stats["prompt_tokens"],

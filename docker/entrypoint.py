@@ -24,8 +24,14 @@ serves any model folder and engine tuning without rebuilding:
 The repository is the command's ``--model-repository``/``--model-store`` argument, else
 ``RADIXLM_MODEL_REPOSITORY``, else ``/models/model_repository``. The files are rewritten in
 place, so a repository mounted read-only can't take settings this way (the entrypoint then
-stops with an error rather than serve with settings other than those asked for). Commands
-other than tritonserver (a shell, say) run untouched.
+stops with an error rather than serve with settings other than those asked for).
+
+tritonserver then runs as this process's child (this process stays PID 1), supervised as
+``radixlm-serve`` supervises it (``backend/supervisor.py``): a stub that dies stops the
+server, SIGTERM ends it within ``--exit-timeout-secs`` + 3 s (+ 5 s for its processes), and
+the defaults of ``backend/server_flags.py`` are added to its flags (administrative APIs
+behind ``RADIXLM_ADMIN_TOKEN``, a random one when it is not set). Commands other than
+tritonserver (a shell, say) run untouched.
 """
 from __future__ import annotations
 
@@ -280,8 +286,27 @@ def main(argv: list[str]) -> int:
         for path, settings in changes.items():
             shown = ", ".join(f"{k}={v}" for k, v in settings.items())
             print(f"[radixlm-entrypoint] {path}: {shown}", flush=True)
+        return serve(command)
     os.execvp(command[0], command)
     return 127  # not reached
+
+
+def serve(command: list[str]) -> int:
+    """tritonserver, hardened and supervised (the backend package is installed here)."""
+    from backend.admin_access import ensure_token
+    from backend.server_flags import bounds_for, hardened_args, server_plan
+    from backend.supervisor import supervise
+
+    env = dict(os.environ)
+    token = ensure_token(env)
+    try:
+        command = [command[0]] + hardened_args(command[1:], token, os.getpid())
+    except ValueError as exc:
+        print(f"[radixlm-entrypoint] error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    shown = " ".join(command).replace(token, "<admin token>")
+    print(f"[radixlm-entrypoint] {shown}", flush=True)
+    return supervise(server_plan(command, env, os.getpid()), bounds_for(command[1:], env))
 
 
 if __name__ == "__main__":

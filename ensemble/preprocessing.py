@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 # This file's real folder (ensemble/), so that its sibling textproc.py imports.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import textproc  # noqa: E402
+from backend.stub_watch import StubLink, protect_shm_region  # noqa: E402
 
 
 def _text(request, name: str) -> str | None:
@@ -51,11 +52,19 @@ def _flag(request, name: str) -> bool:
 
 class TritonPythonModel:
     def initialize(self, args) -> None:
+        protect_shm_region()  # before any text passes through it
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         path = textproc.tokenizer_dir(parameters, Path(args["model_repository"]))
         self.tokenizer = textproc.load_tokenizer(path)
         pb_utils.Logger.log_info(f"preprocessing: tokenizer from {path}")
+        # radixlm-serve stops the server if this stub dies (backend/stub_watch.py)
+        self.watch = StubLink.open_logged(args["model_name"], args["model_instance_name"],
+                                          pb_utils.Logger.log_error)
+
+    def finalize(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
 
     def execute(self, requests):
         responses = []

@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,6 +26,12 @@ MODEL_REPOSITORY = REPO / "model_repository"
 DEFAULT_MODEL = REPO / "models" / "default"
 SERVED_MODEL = "llm"
 SERVER_START_TIMEOUT_S = 300
+# The servers the tests start take their admin token from here (backend/admin_access.py):
+# Triton's administrative APIs need it as a header, debug requests as a parameter (HTTP
+# generate) or a header (gRPC).
+ADMIN_TOKEN = secrets.token_hex(16)
+ADMIN_HEADERS = {"radixlm-admin-token": ADMIN_TOKEN}
+ADMIN_PARAMETERS = {"radixlm-admin-token": ADMIN_TOKEN}
 
 
 def ensure_default_model() -> Path:
@@ -67,6 +74,23 @@ class TritonServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def child_pids(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def tritonserver_pid(server: "TritonServer") -> int:
+    """radixlm-serve runs tritonserver as its child (backend/supervisor.py)."""
+    [pid] = child_pids(server.process.pid)
+    assert Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"
+    return pid
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -89,9 +113,11 @@ def _stop(process: subprocess.Popen) -> None:
         pass
 
 
-def start_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> TritonServer:
+def start_server(log_path: Path, extra_args: tuple[str, ...] = (), env: dict | None = None,
+                 wait_ready: bool = True) -> TritonServer:
     """Start tritonserver through the launcher on free ports; returns once the served
-    model is ready. The caller stops it with ``_stop(server.process)``."""
+    model is ready. The caller stops it with ``_stop(server.process)``. ``env``: more
+    environment variables for the server."""
     http, grpc, metrics = free_ports(3)
     launcher = Path(sys.prefix) / "bin" / "radixlm-serve"
     command = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "backend.launcher"]
@@ -100,11 +126,15 @@ def start_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> TritonServ
     log = open(log_path, "wb")
     # Its own session, so that stopping it reaches every process it started.
     process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
+                               stdin=subprocess.DEVNULL, start_new_session=True,
+                               env={**os.environ, "RADIXLM_ADMIN_TOKEN": ADMIN_TOKEN,
+                                    **(env or {})})
     log.close()
     server = TritonServer(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}",
                           SERVED_MODEL, log_path, process)
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    if not wait_ready:
+        return server
     ready_url = f"http://{server.http_url}/v2/models/{SERVED_MODEL}/ready"
     while not _ready(ready_url):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -226,10 +256,11 @@ class Generated(dict):
                 self[name] = [self[name]]
 
 
-def http_generate(server, body: dict, timeout_s: float = 120.0) -> Generated:
+def http_generate(server, body: dict, timeout_s: float = 120.0,
+                  headers: dict | None = None) -> Generated:
     return Generated(requests.post(
         f"http://{server.http_url}/v2/models/{server.model}/generate", json=body,
-        timeout=timeout_s))
+        timeout=timeout_s, headers=headers))
 
 
 def generate_body(prompt: str, params: dict) -> dict:
@@ -238,7 +269,7 @@ def generate_body(prompt: str, params: dict) -> dict:
 
 
 def server_stats(server) -> dict:
-    response = http_generate(server, {"parameters": {"debug": "stats"}})
+    response = http_generate(server, {"parameters": {"debug": "stats", **ADMIN_PARAMETERS}})
     assert response.status_code == 200, response
     return json.loads(response["stats"])
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -577,6 +579,20 @@ def test_labels_and_selectors_agree(rendered, variant):
         assert port["port"] == 8002
 
 
+def test_shutdown_bound_fits_the_grace_period_and_the_admin_token_comes_from_a_secret(helm,
+                                                                                   rendered):
+    pod = rendered["default"]["Deployment"]["spec"]["template"]["spec"]
+    container = _container(rendered["default"])
+    assert "--exit-timeout-secs=10" in container["args"]
+    # the server's bound: exit timeout + 3 s (supervisor) + 5 s (its processes)
+    assert pod["terminationGracePeriodSeconds"] >= 10 + 3 + 5
+    assert "env" not in container  # no Secret: a random token made up at start
+    objs = {o["kind"]: o for o in helm.render({"admin": {"existingSecret": "radixlm-admin"}})}
+    env = _container(objs)["env"]
+    assert env == [{"name": "RADIXLM_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "radixlm-admin", "key": "token"}}}]
+
+
 def test_service_monitor_and_pdb_settings(rendered):
     monitor = rendered["custom"]["ServiceMonitor"]
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -598,6 +614,8 @@ def test_service_monitor_and_pdb_settings(rendered):
     ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas is larger"),
     ({"autoscaling": {"targetAverageValue": {"radixlm_num_requests_waiting": None}}},
      "no entry for the metric radixlm_num_requests_waiting"),
+    ({"terminationGracePeriodSeconds": 15}, "terminationGracePeriodSeconds must be at least"),
+    ({"triton": {"exitTimeoutSeconds": 30}}, "terminationGracePeriodSeconds must be at least"),
 ])
 def test_invalid_values_are_rejected(helm, values, message):
     with pytest.raises(HelmError, match=re.escape(message)):
@@ -730,3 +748,37 @@ def test_entrypoint_on_the_project_engine_config():
     code = re.sub(r"#[^\n]*", "", patched)
     assert "KIND_GPU" in code and "KIND_CPU" not in code
     assert 'backend: "radixlm"' in patched
+
+
+def test_entrypoint_serves_tritonserver_hardened_and_supervised(repository, tmp_path):
+    """The image's PID 1 adds the server flags radixlm-serve adds and stays to supervise:
+    the admin token never shows in its log, and SIGTERM reaches tritonserver."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "tritonserver"  # prints its arguments, ends on SIGTERM
+    fake.write_text("#!/bin/sh\necho \"args: $*\"\ntrap 'echo terminated; exit 0' TERM\n"
+                    "while true; do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "XDG_RUNTIME_DIR": str(runtime),
+           "RADIXLM_ADMIN_TOKEN": "t0k3n"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "docker" / "entrypoint.py"),
+                             "tritonserver", f"--model-repository={repository}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("args:"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(lines) + proc.stdout.read()
+    assert proc.wait(20) == 0, out
+    args = lines[-1].split()
+    assert "--exit-timeout-secs=10" in args
+    assert ("--http-restricted-api=logging,trace,shared-memory,model-repository:"
+            "radixlm-admin-token=t0k3n") in args
+    assert f"--backend-config=python,shm-region-prefix-name=radixlm-{proc.pid}-" in args
+    assert "[radixlm-entrypoint] tritonserver" in out and "<admin token>" in out
+    assert "t0k3n" not in out.replace(lines[-1], "")  # only the stand-in printed it
+    assert "radixlm-serve: got SIGTERM; stopping tritonserver" in out and "terminated" in out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,18 @@ def test_a_lock_file_removed_by_its_holder_is_not_shared_by_the_next_two(tmp_pat
     assert os.listdir(tmp_path / "run") == []
     with FileLock(str(tmp_path / "run"), "engine.lock"):
         assert os.listdir(tmp_path / "run") == ["engine.lock"]
+
+
+def test_files_of_processes_that_ended_are_swept_and_the_others_kept(tmp_path):
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    names = [f"engine-{ended.pid}-ab12.lock", f"engine-{ended.pid}-ab12.sock",
+             f"watch-{ended.pid}.sock", f"engine-{os.getpid()}-cd34.lock",
+             f"watch-{os.getpid()}.sock", "notes.txt", "engine-x.lock"]
+    with PrivateDir(tmp_path / "run") as d:
+        for name in names:
+            (tmp_path / "run" / name).touch()
+        assert sorted(d.remove_files_of_dead()) == sorted(names[:3])
+        assert sorted(os.listdir(tmp_path / "run")) == sorted(names[3:])
+        assert sorted(d.remove_files_of(os.getpid())) == sorted(names[3:5])
+        assert sorted(os.listdir(tmp_path / "run")) == ["engine-x.lock", "notes.txt"]

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 
 from backend import wire
 from backend.serving import EngineLoop
-from conftest import SERVED_MODEL, _stop, start_server
+from conftest import ADMIN_PARAMETERS, SERVED_MODEL, _stop, start_server, tritonserver_pid
 from test_server_loop import RecordingSink, ScriptedEngine, generate
 
 
@@ -181,7 +181,8 @@ def test_when_the_engine_loop_dies_the_server_stops_being_ready_and_exits(tmp_pa
         assert _ready(ready)
         fault = urllib.request.Request(
             f"http://{server.http_url}/v2/models/{SERVED_MODEL}/generate",
-            data=json.dumps({"text_input": "x", "parameters": {"debug": "fail_engine_loop"}}).encode())
+            data=json.dumps({"text_input": "x", "parameters": {"debug": "fail_engine_loop",
+                                                               **ADMIN_PARAMETERS}}).encode())
         with pytest.raises(urllib.error.HTTPError) as answer:
             urllib.request.urlopen(fault, timeout=30)
         assert "fault injected" in answer.value.read().decode()
@@ -198,7 +199,9 @@ def test_when_the_engine_loop_dies_the_server_stops_being_ready_and_exits(tmp_pa
         assert time.monotonic() - died < 30
         log = server.log_path.read_text()
         assert "radixlm: the engine loop died: RuntimeError" in log
-        assert "radixlm: stopping tritonserver" in log
+        assert ("radixlm-serve: the stub of llm (llm_0_0, pid " in log and "asks to stop the "
+                "server: the engine is not running (RuntimeError: fault injected" in log)
+        assert server.process.returncode == 1  # a failure stopped it: the orchestrator sees it
         assert f"successfully unloaded '{SERVED_MODEL}'" in log
     finally:
         client.close()
@@ -208,9 +211,10 @@ def test_when_the_engine_loop_dies_the_server_stops_being_ready_and_exits(tmp_pa
 @pytest.mark.server
 @pytest.mark.slow
 def test_sigterm_to_tritonserver_alone_ends_in_flight_streams_and_exits(tmp_path):
-    """Kubernetes signals only the container's first process, tritonserver; its Python
-    stubs get nothing. The backend notices the shutdown all the same (Triton's readiness
-    turns false), ends the stream with a final "abort" response, and the server exits."""
+    """A SIGTERM to tritonserver alone (not its process group, not radixlm-serve): its
+    Python stubs get nothing. The backend notices the shutdown all the same (Triton's HTTP
+    endpoint closes), ends the stream with a final "abort" response, and the server exits;
+    radixlm-serve notices too (the same endpoint) and bounds the exit."""
     import os
     import signal
 
@@ -221,7 +225,7 @@ def test_sigterm_to_tritonserver_alone_ends_in_flight_streams_and_exits(tmp_path
         events = _start_long_stream(client)
         assert events.get(timeout=60)[1] is None
         signalled = time.monotonic()
-        os.kill(server.process.pid, signal.SIGTERM)  # tritonserver's pid, not its group
+        os.kill(tritonserver_pid(server), signal.SIGTERM)  # not its group, not radixlm-serve
         while True:
             result, error = events.get(timeout=10)
             assert error is None, error
@@ -236,10 +240,12 @@ def test_sigterm_to_tritonserver_alone_ends_in_flight_streams_and_exits(tmp_path
         client.stop_stream(cancel_requests=True)
         server.process.wait(timeout=30)
         log = server.log_path.read_text()
+        assert "radixlm-serve: tritonserver is stopping; stopping tritonserver" in log
         assert "radixlm: engine loop stopped" in log
         assert f"successfully unloaded '{SERVED_MODEL}'" in log
         port = server.http_url.rsplit(":", 1)[1]  # read from tritonserver's own flags
-        assert f"server shutdown is read from http://127.0.0.1:{port}/v2/health/ready" in log
+        assert (f"server shutdown is read from http://127.0.0.1:{port}/v2/models/{SERVED_MODEL}"
+                "/versions/1/ready") in log
     finally:
         client.close()
         _stop(server.process)

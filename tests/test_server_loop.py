@@ -327,6 +327,21 @@ def test_cancelled_request_is_aborted_and_gets_a_cancelled_final(loop):
     assert len(sink.responses) < 10_000
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_past_its_time_limit_is_aborted_with_an_error(loop, stream):
+    """What bounds the work of a non-streamed HTTP client that left: Triton never says."""
+    sink, other = RecordingSink(), RecordingSink()
+    started = time.monotonic()
+    loop.submit(generate(max_new_tokens=100_000, stream=stream), sink, timeout_s=0.2)
+    loop.submit(generate(max_new_tokens=100_000, stream=stream), other)
+    assert sink.closed.wait(5)
+    assert 0.2 <= time.monotonic() - started < 2
+    assert sink.errors == [("request timed out (its limit: 0.2 s)", True)]
+    assert not other.closed.is_set()  # no limit: runs on
+    assert loop.engine.aborted == [next(iter(r for r in loop.engine.streamed))]
+    assert loop.num_active() == 1
+
+
 def test_n_samples_stream_with_their_index_and_one_final(loop):
     sink = RecordingSink()
     loop.submit(generate(max_new_tokens=2, n=2), sink)

@@ -185,6 +185,27 @@ def test_generation_outputs_builds_only_the_requested_tensors():
     assert merged[wire.OUTPUT_IDS].tolist() == [5, 6, 5, 6] and wire.CONTEXT_IDS not in merged
 
 
+def test_request_timeout_parameter_defaults_to_ten_minutes_and_zero_means_none():
+    assert model_config.request_timeout_s({}) == 600.0
+    assert model_config.request_timeout_s({"request_timeout_s": "2.5"}) == 2.5
+    assert model_config.request_timeout_s({"request_timeout_s": "0"}) is None
+    for bad in ("-1", "inf", "nan", "soon"):
+        with pytest.raises(ValueError, match="request_timeout_s"):
+            model_config.request_timeout_s({"request_timeout_s": bad})
+    config = model_config.engine_config_from_parameters(
+        {"model_path": "/m", "request_timeout_s": "5"}, [])  # not an engine setting
+    assert config.model_path == "/m"
+
+
+def test_a_requests_time_limit_is_the_shorter_of_the_models_and_the_clients():
+    assert model_config.time_limit_s(False, 600.0, 0) == 600.0
+    assert model_config.time_limit_s(False, 600.0, 2_500_000) == 2.5
+    assert model_config.time_limit_s(False, 1.0, 2_500_000) == 1.0
+    assert model_config.time_limit_s(True, 600.0, 0) is None  # a stream's client is seen
+    assert model_config.time_limit_s(True, 600.0, 3_000_000) == 3.0
+    assert model_config.time_limit_s(False, None, 0) is None
+
+
 def test_engine_process_parameter_defaults_to_the_device_and_rejects_nonsense():
     assert model_config.engine_process_wanted({}, "cuda:1") is True
     assert model_config.engine_process_wanted({}, "cpu") is False

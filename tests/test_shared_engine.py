@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -126,8 +127,10 @@ def test_a_stub_that_dies_has_its_requests_aborted_and_the_others_go_on(config, 
 def test_open_shared_starts_the_engine_once_and_attaches_after(config, tmp_path):
     key = f"test-{uuid.uuid4().hex}"
     folder = tmp_path / "run"
-    address, lock_name = shared_address(config, key, folder)
-    open_shared_here = lambda cfg: open_shared(cfg, key, folder=folder)  # noqa: E731
+    address, lock_name = shared_address(config, key, folder, server_pid=os.getpid())
+    assert address.name.startswith(f"engine-{os.getpid()}-")  # swept once this pid is gone
+    open_shared_here = lambda cfg: open_shared(cfg, key, folder=folder,  # noqa: E731
+                                               server_pid=os.getpid())
     folder.mkdir(mode=0o700)
     # the socket file an engine process that died left behind
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -146,3 +149,16 @@ def test_open_shared_starts_the_engine_once_and_attaches_after(config, tmp_path)
             engine.close()
     # the last stub gone: the engine removed its socket, the stubs their lock files
     assert sorted(os.listdir(folder)) == []
+
+
+def test_stubs_that_find_their_engine_killed_remove_its_socket_and_lock(config, tmp_path):
+    key, folder = f"test-{uuid.uuid4().hex}", tmp_path / "run"
+    first = open_shared(config, key, folder=folder)
+    second = open_shared(config, key, folder=folder)
+    address, lock_name = shared_address(config, key, folder)
+    assert sorted(os.listdir(folder)) == sorted([address.name, lock_name])
+    os.kill(first.pid, signal.SIGKILL)  # no chance to remove its socket
+    wait_gone(first.pid, "SIGKILL")
+    first.close()
+    second.close()
+    assert os.listdir(folder) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -47,10 +48,10 @@ def _ok(url: str) -> bool:
         return False
 
 
-def _spawn(command: list[str], log: Path) -> subprocess.Popen:
+def _spawn(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "wb") as out:  # its own process group: stopping it reaches its children
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
 
 def _signal(process: subprocess.Popen, sig: int) -> None:
@@ -107,6 +108,9 @@ class Cluster:
     health_interval_s: int = 1
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="radixlm-replicas-")))
     members: list[Replica] = field(default_factory=list)
+    # radixlm-serve's admin token (RADIXLM_ADMIN_TOKEN) for every replica: the engine's debug
+    # stats need it, as the request parameter "radixlm-admin-token" (docs/operations.md)
+    admin_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     router: subprocess.Popen | None = None
     url: str = ""
 
@@ -128,7 +132,8 @@ class Cluster:
         command = [str(BIN / "radixlm-serve"), f"--http-port={http}", f"--grpc-port={grpc}",
                    f"--metrics-port={metrics}", "--model-control-mode=explicit",
                    *[f"--load-model={m}" for m in self.models]]
-        triton = _spawn(command, self.log_dir / f"triton-{i}.log")
+        triton = _spawn(command, self.log_dir / f"triton-{i}.log",
+                        {**os.environ, "RADIXLM_ADMIN_TOKEN": self.admin_token})
         return triton, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}"
 
     def _start_openai(self, i: int, triton, http: str, grpc: str) -> Replica:

@@ -33,6 +33,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -123,6 +124,8 @@ class Server:
             env["RADIXLM_PROFILE_DIR"] = profile_dir
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("RADIXLM_TRACE_REQUESTS", "4096")  # request timelines in the stats
+        # the repository index and debug stats are administrative: they need the token
+        self.admin_token = env.setdefault("RADIXLM_ADMIN_TOKEN", secrets.token_hex(16))
         cmd = [python, "-m", "backend.launcher", f"--model-repository={repo}",
                f"--http-port={self.http}", f"--grpc-port={self.grpc}",
                f"--metrics-port={self.metrics}", "--exit-on-error=false", "--log-verbose=0",
@@ -150,7 +153,8 @@ class Server:
         """The reason Triton gives for a model it failed to load (it keeps running with
         --exit-on-error=false, so readiness alone would only time out)."""
         req = urllib.request.Request(f"http://127.0.0.1:{self.http}/v2/repository/index",
-                                     data=b"{}", headers={"Content-Type": "application/json"})
+                                     data=b"{}", headers={"Content-Type": "application/json",
+                                                          "radixlm-admin-token": self.admin_token})
         try:
             with urllib.request.urlopen(req, timeout=2) as r:
                 index = json.loads(r.read())
@@ -175,7 +179,8 @@ class Server:
         return time.monotonic() - t
 
     def stats(self) -> dict | None:
-        body = json.dumps({"parameters": {"debug": "stats"}}).encode()
+        body = json.dumps({"parameters": {"debug": "stats",
+                                          "radixlm-admin-token": self.admin_token}}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.http}/v2/models/{MODEL}/generate",
                                      data=body, headers={"Content-Type": "application/json"})
         try:
