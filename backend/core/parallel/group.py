@@ -16,10 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# NCCL's NVLink SHARP, torch's symmetric-memory multicast and NVSHMEM's: off on every
-# process of a tensor-parallel engine (the machines' fabric manager does not serve them)
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+from .env import MULTICAST_OFF
+
 DEFAULT_TIMEOUT_S = 600.0
 
 

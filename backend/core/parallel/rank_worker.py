@@ -13,7 +13,8 @@ import torch
 from ..config import EngineConfig
 from ..loaders import open_checkpoint
 from ..model_runner import ModelRunner
-from .group import MULTICAST_OFF, join, rank_device
+from .env import MULTICAST_OFF
+from .group import join, rank_device
 from .protocol import Stop, decode
 
 

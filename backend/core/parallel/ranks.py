@@ -71,6 +71,8 @@ class RankGroup:
                                              daemon=True)
             self._watcher.start()
             self.tp = join(0, size, store, rank_device(config.device, 0))
+            log.info("tensor-parallel group of %d ranks joined; ranks 1..%d are processes %s",
+                     size, size - 1, self.pids)
         except BaseException:
             self.close()
             raise
