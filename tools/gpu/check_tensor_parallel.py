@@ -51,7 +51,7 @@ def child(args) -> dict:
     config = EngineConfig(model_path=args.model, load_format="dummy", device=args.device,
                           dtype="float32" if exact else "bfloat16",
                           tensor_parallel_size=args.tp, context_length=4096,
-                          max_total_tokens=1200 if exact else 65536,
+                          max_total_tokens=600 if exact else 65536,
                           max_running_requests=BATCH, enable_cuda_graph=args.graphs)
     started = time.perf_counter()
     engine = Engine(config)
@@ -67,7 +67,8 @@ def child(args) -> dict:
             result["retractions"] = engine.stats()["num_retractions"]
             return result
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        engine.generate(_prompts(4, 7, PROMPT_LEN, PROMPT_LEN), params)  # warm-up
+        engine.generate([[3000 + 5 * b + i for i in range(PROMPT_LEN)] for b in range(4)],
+                        params)  # warm-up
         one = [[1000 + i for i in range(PROMPT_LEN)]]
         t = time.perf_counter()
         engine.generate(one, params)
