@@ -93,6 +93,26 @@ def test_greedy_tokens_match_one_rank(models, arch):
     assert got[4] == got[1]
 
 
+def test_sampling_on_rank_0_draws_what_one_rank_draws(models):
+    """Seeded temperature / top-p draws and their logprobs come from the gathered logits
+    on rank 0, with rank 0's generators: the same as on one rank."""
+    prompts = random_prompts(3, 1200, seed=4, min_len=5, max_len=20)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=5, n=2,
+                            logprobs=2, ignore_eos=True)
+    got = {}
+    for size in (1, 2):
+        engine = make_engine(models["qwen2"], tensor_parallel_size=size)
+        try:
+            got[size] = [[(s.token_ids, [lp.logprob for lp in s.logprobs]) for s in o.samples]
+                         for o in engine.generate(prompts, params)]
+        finally:
+            engine.close()
+    for one, two in zip(got[1], got[2]):
+        assert [tokens for tokens, _ in two] == [tokens for tokens, _ in one]
+        for (_, lp1), (_, lp2) in zip(one, two):
+            assert lp2 == pytest.approx(lp1, abs=1e-4)
+
+
 def test_heads_split_in_blocks_and_kv_heads_replicate_where_ranks_outnumber_them():
     splits = [split_heads(8, 2, TensorParallel(rank, 4)) for rank in range(4)]
     assert splits == [HeadSplit(2, 1, 0, 0), HeadSplit(2, 1, 2, 0),
