@@ -18,6 +18,7 @@ from backend.core.parallel.group import TensorParallel
 from backend.core.parallel.protocol import RankProtocolError, RankStep, Stop, decode, encode
 from backend.core.parallel.shards import HeadSplit, split_heads
 from backend.core.forward_batch import BatchSpec
+from backend.model_config import check_tensor_parallel_instance, engine_process_wanted
 from backend.serving import EngineLoop
 from engine_helpers import make_engine, random_prompts, run_staggered
 from model_factory import ARCHS, build_tiny_model
@@ -193,3 +194,14 @@ def test_closing_the_engine_stops_every_rank(models):
     assert len(pids) == 3 and all(_alive(p) for p in pids)
     engine.close()
     _wait_gone(pids)
+
+
+def test_a_tensor_parallel_engine_runs_in_an_engine_process_on_gpus_of_its_own():
+    assert engine_process_wanted({}, "cpu", 1, tensor_parallel_size=2)
+    assert not engine_process_wanted({}, "cpu", 1, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="engine_process"):
+        engine_process_wanted({"engine_process": "false"}, "cpu", 1, tensor_parallel_size=2)
+    check_tensor_parallel_instance("GPU", 2, 2)  # GPUs 2 and 3
+    check_tensor_parallel_instance("MODEL", 0, 4)
+    with pytest.raises(ValueError, match="KIND_MODEL"):
+        check_tensor_parallel_instance("GPU", 1, 2)  # would share GPU 1 with the one on 0
