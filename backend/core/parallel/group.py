@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -81,11 +81,22 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def join(rank: int, size: int, store_path: str, device: torch.device,
-         timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallel:
+         timeout_s: float = DEFAULT_TIMEOUT_S,
+         still_waiting: Callable[[], None] | None = None) -> TensorParallel:
     """Join the group whose ranks meet at the file ``store_path`` (blocks until all
-    ``size`` ranks have joined)."""
+    ``size`` ranks have joined). ``still_waiting`` is called about once a second until
+    every rank has arrived; it raises to give up (a rank that died on the way)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.FileStore(store_path, size)
+    store.set(f"arrived/{rank}", "1")
+    if still_waiting is not None:
+        keys = [f"arrived/{r}" for r in range(size)]
+        while True:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=1))
+                break
+            except (RuntimeError, dist.DistStoreError):  # not all there yet
+                still_waiting()
     if device.type == "cuda":
         os.environ.update(MULTICAST_OFF)  # read when the communicator starts
         torch.cuda.set_device(device)

@@ -70,7 +70,8 @@ class RankGroup:
             self._watcher = threading.Thread(target=self._watch, name="radixlm-rank-watcher",
                                              daemon=True)
             self._watcher.start()
-            self.tp = join(0, size, store, rank_device(config.device, 0))
+            self.tp = join(0, size, store, rank_device(config.device, 0),
+                           still_waiting=self.check)
             log.info("tensor-parallel group of %d ranks joined; ranks 1..%d are processes %s",
                      size, size - 1, self.pids)
         except BaseException:
