@@ -55,7 +55,8 @@ class Engine:
         self.tokenizer = (load_tokenizer(config.tokenizer_path) if config.tokenizer_path
                           else checkpoint.tokenizer())
         self._inbox = Inbox()  # before the ranks: a rank's death wakes the loop through it
-        self.ranks = self._start_ranks()
+        self.ranks = (RankGroup(config, on_failure=self._inbox.wake)
+                      if config.tensor_parallel_size > 1 else None)  # ranks 1..N-1
         try:
             self.runner = runner = ModelRunner(config, self.hf_config, checkpoint.weights,
                                                self.ranks.tp if self.ranks else None,
@@ -80,12 +81,6 @@ class Engine:
         self.processor = StepProcessor(self.scheduler, self.groups, self.grammar, self.counters,
                                        self.eos_token_ids, self.context_len)
         self._inflight: InFlight | None = None
-
-    def _start_ranks(self) -> RankGroup | None:
-        """Ranks 1..N-1 (None on one rank)."""
-        if self.config.tensor_parallel_size == 1:
-            return None
-        return RankGroup(self.config, on_failure=self._inbox.wake)
 
     def _make_cache(self) -> RadixCache:
         if not self.config.enable_radix_cache:
@@ -135,7 +130,8 @@ class Engine:
 
     def next_outputs(self, timeout_s: float) -> OutputBatch:
         """One step when there is work, else wait up to ``timeout_s`` for some. A failed
-        step is reported in the batch (the loop fails what is pending), not raised."""
+        step is reported in the batch (the loop fails what is pending), not raised; with
+        several ranks it raises ``EngineDied`` (they may be out of step with rank 0)."""
         self._check_ranks()
         if not self.wait_for_work(timeout_s):
             self._check_ranks()
