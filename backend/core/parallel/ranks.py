@@ -29,9 +29,9 @@ log = logging.getLogger("radixlm.ranks")
 WORKER_MODULE = "backend.core.parallel.rank_worker"
 # what every rank imports, imported once by the fork server (transformers reads the
 # checkpoint's config and rope tables: seconds of imports per rank otherwise)
-PRELOAD = [WORKER_MODULE, "transformers", "transformers.models.auto.configuration_auto",
+PRELOAD = (WORKER_MODULE, "transformers", "transformers.models.auto.configuration_auto",
            "transformers.modeling_rope_utils", "transformers.configuration_utils",
-           "transformers.utils.type_validators"]
+           "transformers.utils.type_validators")
 
 
 class RankDied(EngineDied):
@@ -51,7 +51,7 @@ class RankGroup:
         self.failure: str | None = None
         self.tp: TensorParallel | None = None  # set once every rank has joined
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
+        context.set_forkserver_preload(list(PRELOAD))
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._lines: list[multiprocessing.connection.Connection] = []
         fields = dataclasses.asdict(config)
