@@ -12,6 +12,13 @@
 # SIGTERM ends it within --exit-timeout-secs + 8 s); Triton's administrative APIs need
 # the header radixlm-admin-token: give -e RADIXLM_ADMIN_TOKEN=... to use them
 # (docs/operations.md).
+#
+# GPUs: by default one engine per visible GPU. One engine over N GPUs (tensor parallelism; its
+# ranks take GPUs 0..N-1 of the container, so give it exactly N) runs as one Triton model
+# instance, which the container asks for with:
+#   docker run --gpus '"device=0,1"' -e RADIXLM_PARAM_TENSOR_PARALLEL_SIZE=2 \
+#     -e RADIXLM_INSTANCE_GROUP="[ { count: 2, kind: KIND_MODEL } ]" ...
+# (the Helm chart does the same from engine.tensorParallelSize, and asks for N GPUs per pod).
 
 # 25.10: CUDA 13.0, Ubuntu 24.04, Python 3.12 (needs an R580+ driver on the host).
 ARG TRITON_VERSION=25.10

@@ -30,6 +30,7 @@ from typing import Any
 
 from backend import engine_protocol as proto
 from backend.core.handle import EngineDied, GenerateRequest, OutputBatch, Submission
+from backend.core.parallel.env import MULTICAST_OFF
 from backend.runtime_dir import FileLock, SocketAddress
 
 log = logging.getLogger("radixlm.engine_process")
@@ -62,6 +63,7 @@ class EngineProcess:
         env = dict(os.environ)
         # the child imports exactly what this interpreter can
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.update(MULTICAST_OFF)  # NCCL of tensor-parallel ranks: no NVLink multicast
         self.python = python or child_python()
         proc = subprocess.Popen(
             [self.python, "-m", "backend.engine_worker", str(theirs.fileno())],

@@ -14,8 +14,8 @@ below by field name; anything else is refused, in both directions.
 A frame is a 4-byte big-endian length and a msgpack list of messages, each a map with
 its kind under ``"kind"`` (a writer sends what queued up together as one frame).
 Step outputs travel as named columns (one list per ``StepOutput`` field, columns that
-hold only defaults left out). Another message kind (say, a step plan that rank 0 of a
-tensor-parallel engine sends its other ranks) is one more dataclass in ``KINDS``.
+hold only defaults left out). The steps rank 0 of a tensor-parallel engine sends its
+other ranks never cross this socket: they are ``backend/core/parallel/protocol.py``'s.
 """
 from __future__ import annotations
 

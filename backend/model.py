@@ -32,9 +32,10 @@ import triton_python_backend_utils as pb_utils
 from backend import admin_access, wire
 from backend.engine_process import EngineProcess
 from backend.metrics import EngineMetrics
-from backend.model_config import (PROJECT_ROOT, engine_config_from_parameters,
-                                  engine_process_wanted, instances_on_device, read_model_info,
-                                  request_timeout_s, time_limit_s)
+from backend.model_config import (PROJECT_ROOT, check_tensor_parallel_instance,
+                                  engine_config_from_parameters, engine_process_wanted,
+                                  instances_on_device, read_model_info, request_timeout_s,
+                                  time_limit_s)
 from backend.server_lifecycle import (model_ready_url, not_ready, stop_tritonserver,
                                       watch_stop_signals)
 from backend.serving import EngineLoop
@@ -74,7 +75,10 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         self._check_model_info(parameters, search_dirs)
         if args.get("model_instance_kind") == "GPU" and config.device == "cuda":
-            # KIND_GPU places one instance per GPU: pin this one to its device.
+            # KIND_GPU places one instance per GPU: pin this one to its device (the first
+            # of its tensor-parallel ranks' GPUs)
+            check_tensor_parallel_instance("GPU", int(args["model_instance_device_id"]),
+                                           config.tensor_parallel_size)
             device = f"cuda:{args['model_instance_device_id']}"
             config = dataclasses.replace(config, device=device)
 
@@ -125,7 +129,8 @@ class TritonPythonModel:
     def _open_engine(self, config, parameters: dict, instances: int, key: str):
         """The engine handle for this instance, and whether this instance reports the
         engine-wide gauges. Which run mode runs when: docs/architecture.md."""
-        if not engine_process_wanted(parameters, config.device, instances):
+        if not engine_process_wanted(parameters, config.device, instances,
+                                     config.tensor_parallel_size):
             from backend.core import Engine  # in this process: the CPU default
 
             self.logger.log_info(f"radixlm: building the engine: {config}")

@@ -42,16 +42,33 @@ def _convert(key: str, annotation: str, text: str) -> Any:
 
 
 def engine_process_wanted(parameters: Mapping[str, str], device: str,
-                          instances: int = 1) -> bool:
+                          instances: int = 1, tensor_parallel_size: int = 1) -> bool:
     """The ``engine_process`` parameter: true, false, or auto (the default: on for CUDA
-    devices, where the host's per-step work competes with response sending, and wherever
-    several instances of the model share a device: they then share one engine process;
-    on CPU with one instance the forward pass itself is the step, and a process would only
-    add a hop)."""
+    devices, where the host's per-step work competes with response sending, wherever
+    several instances of the model share a device: they then share one engine process,
+    and for tensor-parallel engines, whose rank 0 starts the other ranks from a Python
+    interpreter of its own; on CPU with one instance the forward pass itself is the step,
+    and a process would only add a hop)."""
     text = parameters.get("engine_process", "auto")
     if text.strip().lower() == "auto":
-        return device.startswith("cuda") or instances > 1
-    return _convert("engine_process", "bool", text)
+        return device.startswith("cuda") or instances > 1 or tensor_parallel_size > 1
+    wanted = _convert("engine_process", "bool", text)
+    if not wanted and tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size > 1 needs engine_process true (or auto): "
+                         "rank 0 starts the other ranks from its own process")
+    return wanted
+
+
+def check_tensor_parallel_instance(kind: str, device_id: int, tensor_parallel_size: int) -> None:
+    """A tensor-parallel engine on GPU d takes GPUs d .. d + size - 1. Run it as a
+    KIND_MODEL instance (GPUs 0 .. size - 1), or as KIND_GPU instances on GPUs that are
+    multiples of the size (``gpus: [0, 2, 4, 6]`` at size 2: one engine per GPU pair)."""
+    if tensor_parallel_size > 1 and kind == "GPU" and device_id % tensor_parallel_size:
+        raise ValueError(
+            f"a KIND_GPU instance on GPU {device_id} would share GPUs with the one on GPU "
+            f"{device_id - device_id % tensor_parallel_size} at tensor_parallel_size "
+            f"{tensor_parallel_size}: use instance_group [ {{ count: 1, kind: KIND_MODEL }} ]"
+            f" or list gpus that are multiples of {tensor_parallel_size}")
 
 
 def request_timeout_s(parameters: Mapping[str, str]) -> float | None:

@@ -468,6 +468,17 @@ def test_model_folder_sources(rendered):
     assert mount["subPath"] == "Qwen2.5-0.5B-Instruct" and mount["mountPath"] == "/mnt/model"
 
 
+def test_a_tensor_parallel_engine_asks_for_its_gpus_and_runs_as_one_instance(helm):
+    objs = {o["kind"]: o for o in helm.render({"engine": {"tensorParallelSize": 4}}, "big", "ml")}
+    assert _container(objs)["resources"]["limits"]["nvidia.com/gpu"] == 4
+    data = objs["ConfigMap"]["data"]
+    assert data["RADIXLM_PARAM_TENSOR_PARALLEL_SIZE"] == "4"
+    # the stubs front one engine whose ranks take GPUs 0..3: not one instance per GPU
+    assert data["RADIXLM_INSTANCE_GROUP"] == "[ { count: 2, kind: KIND_MODEL } ]"
+    with pytest.raises(HelmError, match="tensorParallelSize"):
+        helm.render({"engine": {"tensorParallelSize": 0}})
+
+
 def test_engine_settings_configmap(rendered, helm):
     default = rendered["default"]["ConfigMap"]["data"]
     assert default == {

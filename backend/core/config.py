@@ -27,6 +27,10 @@ class EngineConfig:
     # alone (speed work on real model shapes without multi-GB weight files)
     load_format: str = "auto"
 
+    # tensor parallelism: the model's heads, MLP and vocabulary split over this many
+    # devices (one process each; GPUs device, device + 1, ...), with the same results
+    tensor_parallel_size: int = 1
+
     # memory
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
@@ -81,6 +85,8 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens must be at least 2")
         if self.max_running_requests < 1:

@@ -5,6 +5,11 @@ finished grammar compilations), schedule (``Scheduler``: which requests run, wit
 many tokens), launch (``ForwardStep``: the batch on the device, sampling), postprocess
 (``StepProcessor``: the new tokens' bookkeeping and the outputs).
 
+Tensor parallelism (``tensor_parallel_size`` > 1): this engine is rank 0. It starts the
+other ranks (``parallel.ranks``), schedules and samples alone, and its model runner
+sends each step to them. A rank that dies ends the engine: ``next_outputs`` raises
+``EngineDied`` (the serving loop fails every request and readiness with it).
+
 Threading: ``add_request``, ``add_score_request``, ``submit`` and ``abort`` may be
 called from any thread (they post to an inbox); ``step`` and ``next_outputs`` from one
 loop thread. ``Engine`` is an ``EngineHandle`` (handle.py).
@@ -31,6 +36,7 @@ from .intake import GrammarProvider, RequestIntake
 from .kv_allocator import KVSlotAllocator, TableRowAllocator
 from .model_runner import ModelRunner
 from .outputs import EngineCounters, RequestOutput, StepOutput
+from .parallel.ranks import RankDied, RankGroup
 from .radix_cache import NoCache, RadixCache
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -48,7 +54,16 @@ class Engine:
         self.hf_config = checkpoint.config
         self.tokenizer = (load_tokenizer(config.tokenizer_path) if config.tokenizer_path
                           else checkpoint.tokenizer())
-        self.runner = runner = ModelRunner(config, self.hf_config, checkpoint.weights)
+        self._inbox = Inbox()  # before the ranks: a rank's death wakes the loop through it
+        self.ranks = (RankGroup(config, on_failure=self._inbox.wake)
+                      if config.tensor_parallel_size > 1 else None)  # ranks 1..N-1
+        try:
+            self.runner = runner = ModelRunner(config, self.hf_config, checkpoint.weights,
+                                               self.ranks.tp if self.ranks else None,
+                                               self.ranks)
+        except BaseException:
+            self.close()
+            raise
         self.context_len = runner.context_len
         self.slots = KVSlotAllocator(runner.kv_pool.size)
         self.rows = TableRowAllocator(runner.req_pool.num_rows)
@@ -66,7 +81,6 @@ class Engine:
         self.processor = StepProcessor(self.scheduler, self.groups, self.grammar, self.counters,
                                        self.eos_token_ids, self.context_len)
         self._inflight: InFlight | None = None
-        self._inbox = Inbox()
 
     def _make_cache(self) -> RadixCache:
         if not self.config.enable_radix_cache:
@@ -116,21 +130,37 @@ class Engine:
 
     def next_outputs(self, timeout_s: float) -> OutputBatch:
         """One step when there is work, else wait up to ``timeout_s`` for some. A failed
-        step is reported in the batch (the loop fails what is pending), not raised."""
+        step is reported in the batch (the loop fails what is pending), not raised; with
+        several ranks it raises ``EngineDied`` (they may be out of step with rank 0)."""
+        self._check_ranks()
         if not self.wait_for_work(timeout_s):
+            self._check_ranks()
             return OutputBatch(made_at=time.time())
         try:
             outputs = self.step()
         except Exception as exc:  # noqa: BLE001 - a bug in a step must not end the loop
             log.exception("engine step failed")
+            if self.ranks is not None:
+                # the ranks may be mid-step, out of step with this one: end them all
+                self.close()
+                raise RankDied(self.ranks.failure or f"tensor-parallel step failed: {exc}") \
+                    from exc
             return OutputBatch(made_at=time.time(), step_error=f"engine error: {exc}")
         return OutputBatch(outputs, made_at=time.time())
+
+    def _check_ranks(self) -> None:
+        if self.ranks is not None and self.ranks.failure is not None:
+            self.close()
+            self.ranks.check()
 
     def prompt_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Nothing to release: the engine lives as long as this process."""
+        """Stop the other tensor-parallel ranks, if any. On one rank nothing is released:
+        the engine stays usable for offline calls."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # ------------------------------------------------------------------ the loop
     @property

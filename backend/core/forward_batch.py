@@ -16,7 +16,7 @@ pool slot each new token's K/V is written to.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,36 @@ def _pack(parts: list[list[int]], device) -> tuple[torch.Tensor, list[torch.Tens
         views.append(flat[start:start + len(part)])
         start += _aligned(len(part))
     return flat, views
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """The host lists a ``ForwardBatch`` is built from: what the scheduler side decides,
+    and what rank 0 of a tensor-parallel engine sends the other ranks (so each builds
+    the same batch). ``decode``: one new token per request at ``positions``; otherwise
+    ``extend_prefix_lens``/``extend_seq_lens`` and ``logits_indices`` describe it."""
+
+    decode: bool
+    input_ids: list[int]
+    req_pool_indices: list[int]
+    out_cache_loc: list[int]
+    positions: list[int] = field(default_factory=list)  # decode only
+    extend_prefix_lens: list[int] = field(default_factory=list)  # extend only
+    extend_seq_lens: list[int] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)
+    num_placeholders: int = 0
+
+    def build(self, device: "HostToDevice | str | torch.device") -> "ForwardBatch":
+        if self.decode:
+            return ForwardBatch.build_decode(
+                input_ids=self.input_ids, req_pool_indices=self.req_pool_indices,
+                positions=self.positions, out_cache_loc=self.out_cache_loc, device=device,
+                num_placeholders=self.num_placeholders)
+        return ForwardBatch.build(
+            input_ids=self.input_ids, req_pool_indices=self.req_pool_indices,
+            extend_prefix_lens=self.extend_prefix_lens, extend_seq_lens=self.extend_seq_lens,
+            out_cache_loc=self.out_cache_loc, logits_indices=self.logits_indices,
+            device=device, num_placeholders=self.num_placeholders)
 
 
 @dataclass

@@ -20,10 +20,11 @@ from typing import NamedTuple
 
 import torch
 
-from .forward_batch import ForwardBatch
+from .forward_batch import BatchSpec
 from .intake import GrammarProvider
 from .model_runner import ModelRunner
 from .outputs import TokenLogprob
+from .parallel.protocol import RankStep
 from .request import Req
 from .sampling import SampleResult, SamplingRow, sample
 from .scheduler import ScheduledItem, SchedulePlan
@@ -109,24 +110,19 @@ class ForwardStep:
 
     def launch(self, plan: SchedulePlan) -> InFlight:
         runner, items = self.runner, plan.items
-        runner.write_table(plan.table_writes)
-        batch, prompt_rows, sample_rows = self._build(items)
-        if self.last_tokens is not None and batch.num_placeholders:
-            ids = batch.input_ids
-            resolved = self.last_tokens[(-ids - 1).clamp(min=0)]
-            # in place: the ids stay a view of the batch's index buffer, which the CUDA
-            # graph runner copies as one block (ForwardBatch.decode_inputs)
-            torch.where(ids < 0, resolved, ids, out=ids)
-        logits = runner.forward(batch)
+        spec, prompt_rows, sample_rows = self._build(items)
+        sampled = [it for it in items if it.samples]
+        logits = runner.run_step(RankStep(plan.table_writes, spec, len(sampled)),
+                                 self.last_tokens)
         prompt_lp = None
         if prompt_rows:
             idx = self.to_device([row.logits_row for row in prompt_rows])
             tok = self.to_device([row.token_id for row in prompt_rows])
             prompt_lp = torch.log_softmax(logits[idx], dim=-1).gather(1, tok.unsqueeze(1)).squeeze(1)
-        sampled = [it for it in items if it.samples]
         result = tokens_host = done = None
         if sampled:
             result = self._sample(self._rows(logits, sample_rows), [it.req for it in sampled])
+            runner.share_tokens(result.token_ids)
             if result.token_ids.is_cuda:
                 tokens_host = torch.empty(result.token_ids.shape, dtype=torch.int64, pin_memory=True)
                 tokens_host.copy_(result.token_ids, non_blocking=True)
@@ -139,9 +135,9 @@ class ForwardStep:
         return InFlight(items, sampled, result, tokens_host, done, prompt_rows, prompt_lp)
 
     def _build(self, items: list[ScheduledItem]):
-        batch = self._build_decode(items)
-        if batch is not None:
-            return batch, [], list(range(len(items)))
+        spec = self._build_decode(items)
+        if spec is not None:
+            return spec, [], list(range(len(items)))
         input_ids, rows, starts, new_lens, locs, logits_idx = [], [], [], [], [], []
         prompt_rows: list[PromptRow] = []
         sample_rows: list[int] = []
@@ -163,14 +159,13 @@ class ForwardStep:
                 sample_rows.append(len(logits_idx))
                 logits_idx.append(offset + n - 1)
             offset += n
-        batch = ForwardBatch.build(input_ids=input_ids, req_pool_indices=rows,
-                                   extend_prefix_lens=starts, extend_seq_lens=new_lens,
-                                   out_cache_loc=locs, logits_indices=logits_idx,
-                                   device=self.to_device,
-                                   num_placeholders=sum(1 for t in input_ids if t < 0))
-        return batch, prompt_rows, sample_rows
+        spec = BatchSpec(decode=False, input_ids=input_ids, req_pool_indices=rows,
+                         out_cache_loc=locs, extend_prefix_lens=starts,
+                         extend_seq_lens=new_lens, logits_indices=logits_idx,
+                         num_placeholders=sum(1 for t in input_ids if t < 0))
+        return spec, prompt_rows, sample_rows
 
-    def _build_decode(self, items: list[ScheduledItem]) -> ForwardBatch | None:
+    def _build_decode(self, items: list[ScheduledItem]) -> BatchSpec | None:
         """The batch of a step in which every request computes one token and samples the
         next (decode): one pass, no per-request slicing. None for any other step."""
         last = items[-1]
@@ -193,9 +188,9 @@ class ForwardStep:
             rows.append(r.req_pool_idx)
             positions.append(a)
             locs.append(it.new_slots[0])
-        return ForwardBatch.build_decode(input_ids=input_ids, req_pool_indices=rows,
-                                         positions=positions, out_cache_loc=locs,
-                                         device=self.to_device, num_placeholders=placeholders)
+        return BatchSpec(decode=True, input_ids=input_ids, req_pool_indices=rows,
+                         out_cache_loc=locs, positions=positions,
+                         num_placeholders=placeholders)
 
     def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``logits[rows]`` without a host sync. Indexing a CUDA tensor with a Python list

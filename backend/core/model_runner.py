@@ -1,8 +1,14 @@
-"""The device side: weights, KV pools, attention backend, forward passes. No policy here."""
+"""The device side: weights, KV pools, attention backend, forward passes. No policy here.
+
+Tensor parallelism: every rank builds a ``ModelRunner`` over its shard (``tp``); rank 0
+also holds ``peers`` and sends each step to the other ranks (``run_step``) before
+running it itself. The KV pool of each rank holds its own heads, with the same number of
+slots everywhere (the scheduler's slot numbers mean the same on every rank).
+"""
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -13,6 +19,8 @@ from .layers.rotary import RotaryEmbedding
 from .host_memory import HostKVPool
 from .memory_pool import KVPool, ReqToTokenPool
 from .models.registry import context_limit, model_class
+from .parallel.group import TensorParallel, rank_device
+from .parallel.protocol import RankStep
 from .transfer import HostToDevice
 
 logger = logging.getLogger(__name__)
@@ -24,14 +32,24 @@ DEFAULT_CPU_KV_TOKENS = 32768
 Weights = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
 
+class StepPeers(Protocol):
+    """The other ranks of a tensor-parallel engine, as rank 0 reaches them."""
+
+    def send(self, step: RankStep) -> None: ...
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, weights: Weights | None = None) -> None:
+    def __init__(self, config: EngineConfig, hf_config, weights: Weights | None = None,
+                 tp: TensorParallel | None = None, peers: StepPeers | None = None) -> None:
         """``weights``: the checkpoint's tensors (``loaders.Checkpoint.weights``); by
-        default those of ``config.model_path``."""
+        default those of ``config.model_path``. ``tp``: this rank's place in a
+        tensor-parallel group (default: alone); ``peers``: rank 0's line to the others."""
         self.config = config
         self.hf_config = hf_config
         self.weights = weights
-        self.device = torch.device(config.device)
+        self.tp = tp or TensorParallel()
+        self.peers = peers
+        self.device = rank_device(config.device, self.tp.rank)
         self.to_device = HostToDevice(self.device)  # every host list this side copies
         self.dtype = _DTYPES[config.dtype]
         self.context_len = min(config.context_length or context_limit(hf_config), context_limit(hf_config))
@@ -64,13 +82,16 @@ class ModelRunner:
     def _load_model(self) -> torch.nn.Module:
         cls = model_class(self.hf_config)
         with torch.device("meta"):
-            model = cls(self.hf_config, self.context_len + 1)
+            model = cls(self.hf_config, self.context_len + 1, self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         for module in model.modules():  # to_empty wiped the rotary tables: float32 again
             if isinstance(module, RotaryEmbedding):
                 module.fill_tables(self.device)
-        if self.config.load_format == "dummy":
+        if self.config.load_format == "dummy" and self.tp.size == 1:
             _init_dummy(model, self.config.seed)
+        elif self.config.load_format == "dummy":  # the one-rank values, cut to shards
+            model.load_weights(_dummy_weights(cls, self.hf_config, self.context_len + 1,
+                                              self.config.seed, self.device))
         else:
             if self.weights is None:
                 from .loaders import open_checkpoint
@@ -85,6 +106,10 @@ class ModelRunner:
         return model
 
     def _kv_pool_size(self) -> int:
+        """Slots in the KV pool: the same on every rank (the smallest that fits)."""
+        return self.tp.min_int(self._kv_pool_size_here(), self.device)
+
+    def _kv_pool_size_here(self) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
         per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
@@ -107,7 +132,7 @@ class ModelRunner:
         per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
                                            self.head_dim, self.dtype)
         size = HostKVPool.tokens_for(self.config, self.kv_pool.size, per_token)
-        if size == 0:
+        if size == 0 or self.tp.size > 1:  # the host tier is single-rank for now
             return None
         logger.info("host KV tier: %d tokens (%.1f GiB)", size, size * per_token / 2**30)
         return HostKVPool(size, self.hf_config.num_hidden_layers, self.num_kv_heads,
@@ -123,7 +148,7 @@ class ModelRunner:
             # the decode workspace is allocated once, for the largest possible decode batch,
             # so CUDA graphs captured over it never see it move
             return TritonAttention(self.kv_pool, self.req_pool.req_to_token,
-                                   num_heads=self.hf_config.num_attention_heads,
+                                   num_heads=self.model.layers[0].self_attn.num_heads,
                                    max_batch_size=self.config.max_running_requests)
         return TorchAttention(self.kv_pool, self.req_pool.req_to_token)
 
@@ -149,6 +174,32 @@ class ModelRunner:
             self.req_pool.write(row, start, slots, self.to_device)
 
     @torch.inference_mode()
+    def run_step(self, step: RankStep, last_tokens: torch.Tensor | None) -> torch.Tensor:
+        """One step's device work on this rank (rank 0 first sends it to the others):
+        table writes, the batch, placeholders swapped for ``last_tokens`` (the previous
+        step's sampled tokens, on the device), the forward. Logits of the whole
+        vocabulary, on every rank."""
+        if self.peers is not None:
+            self.peers.send(step)
+        self.write_table(step.table_writes)
+        batch = step.batch.build(self.to_device)
+        if last_tokens is not None and batch.num_placeholders:
+            ids = batch.input_ids
+            resolved = last_tokens[(-ids - 1).clamp(min=0)]
+            # in place: the ids stay a view of the batch's index buffer, which the CUDA
+            # graph runner copies as one block (ForwardBatch.decode_inputs)
+            torch.where(ids < 0, resolved, ids, out=ids)
+        return self.forward(batch)
+
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled tokens on every rank, when the next step may read them
+        through placeholders (overlap scheduling); other ranks pass a buffer of the
+        right size. A no-op on one rank."""
+        if self.tp.size > 1 and self.config.overlap:
+            self.tp.broadcast(tokens)
+        return tokens
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of the rows ``batch.logits_indices``."""
         if self.graphs is not None and self.graphs.can_run(batch):
@@ -166,6 +217,20 @@ def record_slots(req_to_token: torch.Tensor, batch: ForwardBatch) -> None:
     rows = torch.repeat_interleave(batch.req_pool_indices, batch.extend_seq_lens,
                                    output_size=batch.num_tokens)  # no host sync
     req_to_token[rows, batch.positions] = batch.out_cache_loc.to(torch.int32)
+
+
+def _dummy_weights(cls: type, hf_config, max_positions: int, seed: int,
+                   device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's ``_init_dummy`` values, one tensor at a time, in the same order
+    and from the same generator (so every tensor-parallel size gets the same model)."""
+    with torch.device("meta"):
+        whole = cls(hf_config, max_positions)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in whole.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            yield name, torch.ones(p.shape, device=device)
+        else:
+            yield name, torch.randn(p.shape, generator=gen, device=device) * 0.02
 
 
 @torch.no_grad()

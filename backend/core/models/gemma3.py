@@ -23,12 +23,14 @@ from torch import nn
 
 from ..layers.basic import GatedMLP, GemmaRMSNorm, linear
 from ..layers.rotary import RotaryEmbedding
-from .llama import Attention, LlamaForCausalLM
+from ..parallel.layers import VocabParallelEmbedding, gather_logits
+from ..parallel.shards import split_evenly
+from .llama import SINGLE, Attention, LlamaForCausalLM
 
 
 class Gemma3Attention(Attention):
-    def __init__(self, config, qkv_bias: bool, layer_id: int) -> None:
-        super().__init__(config, qkv_bias, layer_id)
+    def __init__(self, config, qkv_bias: bool, layer_id: int, tp=SINGLE) -> None:
+        super().__init__(config, qkv_bias, layer_id, tp)
         self.scale = config.query_pre_attn_scalar ** -0.5
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -39,12 +41,14 @@ class Gemma3Attention(Attention):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int) -> None:
+    def __init__(self, config, layer_id: int, tp=SINGLE) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.tp = tp
         self.is_sliding = config.layer_types[layer_id] == "sliding_attention"
-        self.self_attn = Gemma3Attention(config, False, layer_id)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, act="gelu_tanh")
+        self.self_attn = Gemma3Attention(config, False, layer_id, tp)
+        self.mlp = GatedMLP(hidden, split_evenly(config.intermediate_size, tp,
+                                                 "intermediate_size"), act="gelu_tanh")
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -58,26 +62,25 @@ class Gemma3DecoderLayer(nn.Module):
         qkv = linear(h, proj.weight, proj.bias, self.self_attn.fuse_rows)
         a = self.post_attention_layernorm(self.self_attn(qkv, batch, attn, rotary, layer_id))
         h, residual = self.pre_feedforward_layernorm(a, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        return self.post_feedforward_layernorm(self.tp.all_reduce(self.mlp(h))), residual
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp=SINGLE) -> None:
         nn.Module.__init__(self)
         act = getattr(config, "hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma 3 with activation {act!r} is not supported")
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(config, head_dim, max_positions, "full_attention")
         self.rotary_local = RotaryEmbedding(config, head_dim, max_positions, "sliding_attention")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = self._lm_head(default_tied=True)
         self.embed_scale = config.hidden_size ** 0.5
         self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
         self.fuse_rows = False
@@ -100,7 +103,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden) -> torch.Tensor:
         if not isinstance(hidden, torch.Tensor):
             hidden = self.final_hidden(hidden)
-        logits = linear(hidden, self.lm_head_weight, None, self.fuse_rows, torch.float32)
+        logits = gather_logits(
+            linear(hidden, self.lm_head_weight, None, self.fuse_rows, torch.float32),
+            self.config.vocab_size, self.tp)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

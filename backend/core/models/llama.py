@@ -6,6 +6,10 @@ and config defaults. Checkpoint names are mapped to our fused projections in
 ``load_weights``, so ``forward`` stays free of renames. Sliding-window layers (Mistral,
 Qwen2/Qwen3 with ``use_sliding_window``, Phi-3's ``sliding_window``) pass their window
 to the attention backend, which attends within it (see ``layers/attention.py``).
+
+Under tensor parallelism (``tp``, see ``parallel/``) each rank builds the same classes
+with its share of the heads, the MLP width and the vocabulary; the output and down
+projections' partial sums meet in one all-reduce each.
 """
 from __future__ import annotations
 
@@ -18,6 +22,11 @@ from ..forward_batch import ForwardBatch
 from ..layers.attention import AttentionBackend
 from ..layers.basic import GatedMLP, RMSNorm, linear, rows_fusable
 from ..layers.rotary import RotaryEmbedding
+from ..parallel.group import TensorParallel
+from ..parallel.layers import VocabParallelEmbedding, gather_logits
+from ..parallel.shards import Sharder, split_evenly, split_heads, vocab_block
+
+SINGLE = TensorParallel()  # immutable: one rank, every collective the identity
 
 
 def sliding_window(config, layer_id: int) -> int:
@@ -33,12 +42,20 @@ def sliding_window(config, layer_id: int) -> int:
     return int(window) if getattr(config, "use_sliding_window", True) else 0
 
 
+def head_split(config, tp: TensorParallel):
+    heads = config.num_attention_heads
+    return split_heads(heads, getattr(config, "num_key_value_heads", None) or heads, tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, layer_id: int) -> None:
+    def __init__(self, config, qkv_bias: bool, layer_id: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        split = head_split(config, tp)
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
+        self.head_dim = (getattr(config, "head_dim", None)
+                         or config.hidden_size // config.num_attention_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
@@ -61,8 +78,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = attn.forward_rotary(q, k, v, layer_id, batch, self.scale, rotary,
                                   window=self.window, softcap=self.softcap)
-        o_proj = self.o_proj
-        return linear(out.reshape(-1, self.q_size), o_proj.weight, o_proj.bias, self.fuse_rows)
+        o_proj, out = self.o_proj, out.reshape(-1, self.q_size)
+        if self.tp.size == 1:
+            return linear(out, o_proj.weight, o_proj.bias, self.fuse_rows)
+        out = self.tp.all_reduce(linear(out, o_proj.weight, None, self.fuse_rows))
+        return out if o_proj.bias is None else out + o_proj.bias  # the bias once, not N times
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor):
         """Per-head q/k normalisation before the rotation; none in Llama."""
@@ -71,10 +91,12 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, layer_id: int,
-                 attention_cls: type = Attention) -> None:
+                 attention_cls: type = Attention, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, qkv_bias, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.tp = tp
+        self.self_attn = attention_cls(config, qkv_bias, layer_id, tp)
+        self.mlp = GatedMLP(config.hidden_size,
+                            split_evenly(config.intermediate_size, tp, "intermediate_size"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -86,27 +108,36 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(qkv, batch, attn, rotary, layer_id)
         gate_up, residual = self.post_attention_layernorm.linear(self.mlp.gate_up_proj, x,
                                                                  residual)
-        return self.mlp.down(gate_up), residual
+        return self.tp.all_reduce(self.mlp.down(gate_up)), residual
 
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     attention_cls = Attention
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.qkv_bias, i, self.attention_cls)
+            DecoderLayer(config, self.qkv_bias, i, self.attention_cls, tp)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = self._lm_head(default_tied=False)
         self.fuse_rows = False  # batch-1 logits by the matrix-vector kernel (CUDA)
+
+    def _lm_head(self, default_tied: bool) -> nn.Linear | None:
+        """The untied LM head (this rank's block of the vocabulary), or None when the
+        embedding is the head."""
+        self.tie_word_embeddings = bool(getattr(self.config, "tie_word_embeddings",
+                                                default_tied))
+        if self.tie_word_embeddings:
+            return None
+        return nn.Linear(self.config.hidden_size,
+                         vocab_block(self.config.vocab_size, self.tp)[1], bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -142,8 +173,11 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits from ``forward``'s, ``final_hidden``'s or ``logits_input``'s
         output."""
         if isinstance(hidden, torch.Tensor):
-            return linear(hidden, self.lm_head_weight, None, self.fuse_rows, torch.float32)
-        return self.norm.linear_weight(self.lm_head_weight, None, *hidden, torch.float32)[0]
+            local = linear(hidden, self.lm_head_weight, None, self.fuse_rows, torch.float32)
+        else:
+            local = self.norm.linear_weight(self.lm_head_weight, None, *hidden,
+                                            torch.float32)[0]
+        return gather_logits(local, self.config.vocab_size, self.tp)
 
     # ------------------------------------------------------------------ weights
     _stacked = (  # checkpoint name piece -> (our parameter, shard index)
@@ -151,8 +185,18 @@ class LlamaForCausalLM(nn.Module):
         ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
     )
 
+    def sharder(self) -> Sharder:
+        attn, config = self.layers[0].self_attn, self.config
+        return Sharder(head_split(config, self.tp), attn.head_dim,
+                       config.num_attention_heads,
+                       getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                       self.layers[0].mlp.intermediate,
+                       vocab_block(config.vocab_size, self.tp), self.tp)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a checkpoint's whole tensors in, each cut to this rank's part."""
         params = dict(self.named_parameters())
+        sharder = self.sharder()
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -163,12 +207,14 @@ class LlamaForCausalLM(nn.Module):
             for piece, fused, shard in self._stacked:
                 if f".{piece}." in name:
                     target = name.replace(piece, fused)
+                    tensor = sharder.piece(fused, shard, tensor)
                     _copy_shard(params[target], tensor, shard, self._shard_sizes(fused, target))
                     loaded.add(f"{target}#{shard}")
                     break
             else:
                 if name not in params:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                tensor = sharder.whole(name, tensor)
                 _check_shape(name, params[name].shape, tensor.shape)
                 with torch.no_grad():
                     params[name].copy_(tensor)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..layers.basic import RMSNorm
-from .llama import Attention, LlamaForCausalLM
+from .llama import SINGLE, Attention, LlamaForCausalLM
 
 
 class Qwen3Attention(Attention):
-    def __init__(self, config, qkv_bias: bool, layer_id: int) -> None:
-        super().__init__(config, qkv_bias, layer_id)
+    def __init__(self, config, qkv_bias: bool, layer_id: int, tp=SINGLE) -> None:
+        super().__init__(config, qkv_bias, layer_id, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 

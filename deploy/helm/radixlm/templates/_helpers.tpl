@@ -52,3 +52,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "radixlm.engineConfigName" -}}
 {{- include "radixlm.fullname" . | trunc 56 | trimSuffix "-" }}-engine
 {{- end }}
+
+{{/* GPUs a pod asks for: engine.tensorParallelSize when one engine spans several (its ranks
+take GPUs 0..N-1 of the pod), else gpu.count (one engine per GPU). */}}
+{{- define "radixlm.gpuCount" -}}
+{{- $tp := .Values.engine.tensorParallelSize | default 1 | int }}
+{{- if gt $tp 1 }}{{ $tp }}{{ else }}{{ .Values.gpu.count | int }}{{ end }}
+{{- end }}
