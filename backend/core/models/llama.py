@@ -16,7 +16,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..layers.attention import AttentionBackend
-from ..layers.basic import GatedMLP, RMSNorm, linear, rows_fusable
+from ..layers.basic import GatedMLP, RMSNorm, linear, project, rows_fusable
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -61,8 +61,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = attn.forward_rotary(q, k, v, layer_id, batch, self.scale, rotary,
                                   window=self.window, softcap=self.softcap)
-        o_proj = self.o_proj
-        return linear(out.reshape(-1, self.q_size), o_proj.weight, o_proj.bias, self.fuse_rows)
+        return project(self.o_proj, out.reshape(-1, self.q_size), self.fuse_rows)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor):
         """Per-head q/k normalisation before the rotation; none in Llama."""
