@@ -45,19 +45,20 @@ class Quality:
 
 @torch.inference_mode()
 def text_logits(runner, token_lists: list[list[int]]) -> list[torch.Tensor]:
-    """float32 logits [len(tokens), vocab] of each token list, by one prefill per list on
-    ``runner`` (a ``ModelRunner``) in request-table row 1 and KV slots 1..n."""
+    """float32 logits [len(tokens), vocab] of each token list, from one prefill of them
+    all on ``runner`` (a ``ModelRunner``, which records the slots in its request table):
+rows 1.., KV slots 1.."""
     from backend.core.forward_batch import ForwardBatch
 
-    out = []
-    for tokens in token_lists:
-        n = len(tokens)
-        batch = ForwardBatch.build(input_ids=tokens, req_pool_indices=[1],
-                                   extend_prefix_lens=[0], extend_seq_lens=[n],
-                                   out_cache_loc=list(range(1, n + 1)),
-                                   logits_indices=list(range(n)), device=runner.to_device)
-        out.append(runner.forward(batch).float().cpu())
-    return out
+    lens = [len(t) for t in token_lists]
+    total = sum(lens)
+    batch = ForwardBatch.build(input_ids=[i for t in token_lists for i in t],
+                               req_pool_indices=list(range(1, len(lens) + 1)),
+                               extend_prefix_lens=[0] * len(lens), extend_seq_lens=lens,
+                               out_cache_loc=list(range(1, total + 1)),
+                               logits_indices=list(range(total)), device=runner.to_device)
+    logits = runner.forward(batch).float().cpu()
+    return list(logits.split(lens))
 
 
 def compare(reference: list[torch.Tensor], other: list[torch.Tensor]) -> Quality:

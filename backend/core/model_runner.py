@@ -40,6 +40,10 @@ class ModelRunner:
         self.model = self._load_model()
         attn0 = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
+        # what one token's K and V take over all layers, in the pool's dtype: what sizes
+        # the device pool and the host tier (float8: half of a 16-bit pool)
+        self.kv_bytes_per_token = KVPool.bytes_per_token(
+            hf_config.num_hidden_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
         self.kv_pool = KVPool(self._kv_pool_size(), hf_config.num_hidden_layers,
                               self.num_kv_heads, self.head_dim, self.kv_dtype, str(self.device))
         if self.kv_pool.quantized and config.kv_cache_scales == "calibrate":
@@ -83,6 +87,9 @@ class ModelRunner:
 
                 self.weights = open_checkpoint(self.config.model_path).weights
             model.load_weights(self.weights())
+        if self.config.quantization == "none" and getattr(self.hf_config, "quantization_config", None):
+            logger.warning("an FP8 checkpoint served in %s (quantization=none); set "
+                           "quantization=fp8 to keep its weights in float8", self.config.dtype)
         if self.config.quantization == "fp8":
             from .layers.fp8_linear import quantize_linears
 
@@ -97,8 +104,7 @@ class ModelRunner:
     def _kv_pool_size(self) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
-        per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
-                                           self.head_dim, self.kv_dtype)
+        per_token = self.kv_bytes_per_token
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
         torch.cuda.empty_cache()
@@ -114,8 +120,7 @@ class ModelRunner:
     def _make_host_pool(self) -> HostKVPool | None:
         """The host-memory tier's KV (None without one): pinned when the pool is on a GPU,
         so copies to and from it run asynchronously."""
-        per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
-                                           self.head_dim, self.kv_dtype)
+        per_token = self.kv_bytes_per_token
         size = HostKVPool.tokens_for(self.config, self.kv_pool.size, per_token)
         if size == 0:
             return None
