@@ -20,7 +20,7 @@ from .layers.attention import TorchAttention
 from .memory_pool import KVPool, ReqToTokenPool
 from .transfer import HostToDevice
 
-CALIBRATION_TOKENS = 512
+CALIBRATION_TOKENS = 256
 HEADROOM = 2.0
 
 

@@ -105,8 +105,8 @@ def _decode_stage1(
             v_new = tl.load(VNew + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d,
                             mask=d_mask, other=0.0)
             if KV_FP8:
-                k_rot = saturate(k_rot.to(tl.float32) / k_scale)
-                v_new = saturate(v_new.to(tl.float32) / v_scale)
+                k_rot = saturate(tl.math.div_rn(k_rot.to(tl.float32), k_scale))
+                v_new = saturate(tl.math.div_rn(v_new.to(tl.float32), v_scale))
             tl.store(KBuf + slot * stride_kbs + kv_head * stride_kbh + offs_d,
                      k_rot.to(KBuf.dtype.element_ty), mask=d_mask)
             tl.store(VBuf + slot * stride_vbs + kv_head * stride_vbh + offs_d,

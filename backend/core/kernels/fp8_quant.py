@@ -24,7 +24,7 @@ def _per_token_quant_kernel(X, Q, S, stride_x, stride_q, K, fp8_max, min_scale,
     mask = cols < K
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 0) / fp8_max, min_scale)
-    q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
     tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row, scale)
 

@@ -198,10 +198,10 @@ def _rotary_kernel(
         if KV_FP8:  # a float8 pool holds value / scale of the head, clamped to its range
             ks = tl.load(KScale + hk, mask=hk < NUM_K_HEADS, other=1.0)[:, None]
             vs = tl.load(VScale + hk, mask=hk < NUM_K_HEADS, other=1.0)[:, None]
-            k_lo = saturate(k_lo.to(tl.float32) / ks)
-            k_hi = saturate(k_hi.to(tl.float32) / ks)
-            v_lo = saturate(v_lo.to(tl.float32) / vs)
-            v_hi = saturate(v_hi.to(tl.float32) / vs)
+            k_lo = saturate(tl.math.div_rn(k_lo.to(tl.float32), ks))
+            k_hi = saturate(tl.math.div_rn(k_hi.to(tl.float32), ks))
+            v_lo = saturate(tl.math.div_rn(v_lo.to(tl.float32), vs))
+            v_hi = saturate(tl.math.div_rn(v_hi.to(tl.float32), vs))
         kb_ptr = KBuf + slot * stride_kbs + hk[:, None] * stride_kbh + d[None, :]
         tl.store(kb_ptr, k_lo.to(KBuf.dtype.element_ty), mask=kmask)
         tl.store(kb_ptr + HALF, k_hi.to(KBuf.dtype.element_ty), mask=kmask)

@@ -32,8 +32,10 @@ def _store_kv_kernel(
     v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     if KV_FP8:
         hmask = h < NUM_KV_HEADS
-        k = saturate(k.to(tl.float32) / tl.load(KScale + h, mask=hmask, other=1.0)[:, None])
-        v = saturate(v.to(tl.float32) / tl.load(VScale + h, mask=hmask, other=1.0)[:, None])
+        k = saturate(tl.math.div_rn(k.to(tl.float32),
+                                    tl.load(KScale + h, mask=hmask, other=1.0)[:, None]))
+        v = saturate(tl.math.div_rn(v.to(tl.float32),
+                                    tl.load(VScale + h, mask=hmask, other=1.0)[:, None]))
     tl.store(KBuf + slot * stride_kbs + h[:, None] * stride_kbh + d[None, :],
              k.to(KBuf.dtype.element_ty), mask=mask)
     tl.store(VBuf + slot * stride_vbs + h[:, None] * stride_vbh + d[None, :],

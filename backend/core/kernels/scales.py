@@ -1,5 +1,7 @@
 """What the kernels that read or write a float8 KV pool share: the argument check and
-the clamp before a cast to float8."""
+the clamp before a cast to float8. Their divisions by a scale are ``tl.math.div_rn``
+(IEEE round-to-nearest, as torch divides), not the default approximate division, so a
+kernel stores the very bytes ``KVPool.store`` stores."""
 from __future__ import annotations
 
 import torch
