@@ -165,3 +165,19 @@ def test_the_host_tier_moves_float8_kv_as_one_byte_a_value_and_reloads_it(model)
             assert (stats["kv_bytes_to_host"] // stats["host_saved_tokens"]
                     == 2 * layers * kv_heads * head_dim)
     assert results["host"] == results["off"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_every_architecture_runs_with_fp8_weights_and_kv(tmp_path, arch):
+    """Gemma 3 calls its QKV projection apart from its norm, Phi-3 loads fused
+    projections as they are: each reaches the FP8 layers through the same seam."""
+    folder = mf.build_tiny_model(tmp_path / arch, arch=arch)
+    prompt = random_prompts(1, 200, seed=5, min_len=16, max_len=16)[0]
+    ref = _prefill_logits(make_engine(folder), prompt)
+    engine = make_engine(folder, quantization="fp8", **FP8_KV)
+    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    got = _prefill_logits(engine, prompt)
+    kl = F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)
+    # measured mean KL: llama 0.037, gemma3 0.075, phi3 0.028 nats (sharp random models)
+    assert 0 < kl.mean().item() < 0.15, kl.mean()
