@@ -107,11 +107,10 @@ def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> 
     """Replace every ``nn.Linear`` of ``model`` whose name is not in ``keep`` by an
     ``Fp8Linear`` (in place, one layer at a time, so the peak memory is the model plus
     one layer); returns how many were replaced."""
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in keep]
-    for name, linear in targets:
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in keep]
+    for name in names:  # names only: no reference keeps a replaced layer alive
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear.from_linear(linear))
-        del linear
-    return len(targets)
+        setattr(parent, child, Fp8Linear.from_linear(parent.get_submodule(child)))
+    return len(names)
