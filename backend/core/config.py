@@ -6,6 +6,9 @@ from dataclasses import dataclass
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 RADIX_EVICTION_POLICIES = ("adaptive", "lru")  # see eviction.py
 DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "fp8")  # of the linear layers' weights (layers/fp8_linear.py)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # "auto": the model's dtype (memory_pool.py)
+KV_CACHE_SCALES = ("calibrate", "unit")
 # the largest decode batch captured by default (start-up time grows with each size)
 DEFAULT_GRAPH_BATCH_LIMIT = 512
 
@@ -26,6 +29,11 @@ class EngineConfig:
     # "auto": safetensors from model_path; "dummy": seeded random weights from config.json
     # alone (speed work on real model shapes without multi-GB weight files)
     load_format: str = "auto"
+    # "fp8": the decoder's linear layers hold float8 e4m3 weights with one scale per
+    # output channel (quantized at load, or read as they are from an FP8 checkpoint);
+    # activations are quantized per token as they arrive. The embeddings, the LM head
+    # and the norms keep ``dtype``. "none": every weight in ``dtype``.
+    quantization: str = "none"
 
     # tensor parallelism: the model's heads, MLP and vocabulary split over this many
     # devices (one process each; GPUs device, device + 1, ...), with the same results
@@ -36,6 +44,13 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
     context_length: int | None = None  # defaults to the model's max_position_embeddings
+    # "fp8_e4m3": K and V are stored as float8 e4m3 (one byte a value: twice the tokens
+    # of a 16-bit pool in the same memory), divided by a scale per layer and KV head;
+    # "auto": stored in ``dtype``
+    kv_cache_dtype: str = "auto"
+    # the FP8 KV scales: "calibrate" (from K/V ranges seen on a calibration pass at
+    # start-up, with headroom) or "unit" (1.0 everywhere, as vLLM does by default)
+    kv_cache_scales: str = "calibrate"
 
     # scheduling
     enable_radix_cache: bool = True
@@ -106,6 +121,20 @@ class EngineConfig:
             raise ValueError("host_cache_tokens must be >= 0 (0: no host tier)")
         if self.starvation_bound < 0:
             raise ValueError("starvation_bound must be >= 0")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scales must be one of {KV_CACHE_SCALES}, "
+                             f"got {self.kv_cache_scales!r}")
+        if self.tensor_parallel_size > 1 and (self.quantization != "none"
+                                              or self.kv_cache_dtype != "auto"):
+            # the sharded layers and the ranks' KV pools have no float8 form yet
+            raise ValueError("quantization and kv_cache_dtype are not supported with "
+                             "tensor_parallel_size > 1 yet")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be 'auto' or 'dummy'")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .config import EngineConfig
+from .fp8 import FP8_DTYPE
 from .host_tier import HostCopy, HostLoad, HostSave
 from .memory_pool import KVPool
 
@@ -47,6 +48,7 @@ class HostKVPool:
                  dtype: torch.dtype, pin: bool) -> None:
         self.size = size
         shape = (size, num_layers, 2, num_kv_heads, head_dim)
+        dtype = _raw_dtype(dtype)
         self.buffer = torch.empty(shape, dtype=dtype)
         if pin and _pin(self.buffer):
             # Unregister before the buffer's memory goes back to the allocator: a later
@@ -171,7 +173,8 @@ class KVMover:
     def _gather(self, index: torch.Tensor) -> torch.Tensor:
         """[n, layers, 2, kv_heads, head_dim]: the KV of ``index``'s slots, every layer."""
         pool = self.kv_pool
-        parts = [t for k, v in zip(pool.k_buffer, pool.v_buffer) for t in (k[index], v[index])]
+        parts = [_raw(t) for k, v in zip(pool.k_buffer, pool.v_buffer)
+                 for t in (k[index], v[index])]
         n, heads, dim = parts[0].shape
         return torch.stack(parts, dim=1).view(n, len(pool.k_buffer), 2, heads, dim)
 
@@ -186,8 +189,19 @@ class KVMover:
     def _scatter(self, index: torch.Tensor, staged: torch.Tensor) -> None:
         pool = self.kv_pool
         for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
-            k.index_copy_(0, index, staged[:, layer, 0])
-            v.index_copy_(0, index, staged[:, layer, 1])
+            _raw(k).index_copy_(0, index, staged[:, layer, 0])
+            _raw(v).index_copy_(0, index, staged[:, layer, 1])
+
+
+def _raw_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Float8 KV moves as its bytes (``_raw``); other dtypes as they are."""
+    return torch.uint8 if dtype == FP8_DTYPE else dtype
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as ``_raw_dtype``: some copy kernels (index_copy_ on CPU) have no
+    float8 version, and a copy of bytes is exact whatever they mean."""
+    return t.view(_raw_dtype(t.dtype))
 
 
 def _pin(buffer: torch.Tensor) -> bool:

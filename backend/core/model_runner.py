@@ -17,7 +17,7 @@ from .forward_batch import ForwardBatch
 from .layers.attention import AttentionBackend, TorchAttention
 from .layers.rotary import RotaryEmbedding
 from .host_memory import HostKVPool
-from .memory_pool import KVPool, ReqToTokenPool
+from .memory_pool import KV_CACHE_DTYPES, KVPool, ReqToTokenPool
 from .models.registry import context_limit, model_class
 from .parallel.group import TensorParallel, rank_device
 from .parallel.protocol import RankStep
@@ -52,13 +52,23 @@ class ModelRunner:
         self.device = rank_device(config.device, self.tp.rank)
         self.to_device = HostToDevice(self.device)  # every host list this side copies
         self.dtype = _DTYPES[config.dtype]
+        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         self.context_len = min(config.context_length or context_limit(hf_config), context_limit(hf_config))
         self.vocab_size = hf_config.vocab_size
         self.model = self._load_model()
         attn0 = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
+        # what one token's K and V take over all layers, in the pool's dtype: what sizes
+        # the device pool and the host tier (float8: half of a 16-bit pool)
+        self.kv_bytes_per_token = KVPool.bytes_per_token(
+            hf_config.num_hidden_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
         self.kv_pool = KVPool(self._kv_pool_size(), hf_config.num_hidden_layers,
-                              self.num_kv_heads, self.head_dim, self.dtype, str(self.device))
+                              self.num_kv_heads, self.head_dim, self.kv_dtype, str(self.device))
+        if self.kv_pool.quantized and config.kv_cache_scales == "calibrate":
+            from .kv_calibration import calibrate_kv_scales
+
+            self.kv_pool.set_scales(*calibrate_kv_scales(
+                self.model, self.kv_pool, self.vocab_size, self.context_len, config.seed))
         self.host_pool = self._make_host_pool()
         self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1,
                                        str(self.device))
@@ -98,6 +108,13 @@ class ModelRunner:
 
                 self.weights = open_checkpoint(self.config.model_path).weights
             model.load_weights(self.weights())
+        if self.config.quantization == "none" and getattr(self.hf_config, "quantization_config", None):
+            logger.warning("an FP8 checkpoint served in %s (quantization=none); set "
+                           "quantization=fp8 to keep its weights in float8", self.config.dtype)
+        if self.config.quantization == "fp8":
+            from .layers.fp8_linear import quantize_linears
+
+            logger.info("FP8 weights: %d linear layers quantized", quantize_linears(model))
         model.eval()
         if self.device.type == "cuda" and self.config.enable_fused_gemv:
             for module in model.modules():
@@ -112,8 +129,7 @@ class ModelRunner:
     def _kv_pool_size_here(self) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
-        per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
-                                           self.head_dim, self.dtype)
+        per_token = self.kv_bytes_per_token
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
         torch.cuda.empty_cache()
@@ -129,14 +145,13 @@ class ModelRunner:
     def _make_host_pool(self) -> HostKVPool | None:
         """The host-memory tier's KV (None without one): pinned when the pool is on a GPU,
         so copies to and from it run asynchronously."""
-        per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
-                                           self.head_dim, self.dtype)
+        per_token = self.kv_bytes_per_token
         size = HostKVPool.tokens_for(self.config, self.kv_pool.size, per_token)
         if size == 0 or self.tp.size > 1:  # the host tier is single-rank for now
             return None
         logger.info("host KV tier: %d tokens (%.1f GiB)", size, size * per_token / 2**30)
         return HostKVPool(size, self.hf_config.num_hidden_layers, self.num_kv_heads,
-                          self.head_dim, self.dtype, pin=self.device.type == "cuda")
+                          self.head_dim, self.kv_dtype, pin=self.device.type == "cuda")
 
     def _make_attention(self) -> AttentionBackend:
         choice = self.config.attention_backend

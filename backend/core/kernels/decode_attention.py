@@ -21,7 +21,9 @@ token's rotated K and its V to the pool, which saves the model a launch per laye
 
 A sliding-window layer (``window`` W > 0) attends to the last W positions only: the
 splits then divide ``max(0, seq_len - W) .. seq_len - 1`` instead of the whole row, so
-its cost stops growing with the context. ``softcap`` as in the extend kernel.
+its cost stops growing with the context. ``softcap`` as in the extend kernel, and so is
+an FP8 pool (``KV_FP8``): tiles upcast to q's dtype, the KV head's scales taken out of the
+sums; the new token's K/V are divided by them before they are stored.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .extend_attention import _scores
+from .scales import check_kv_scales, saturate
 from .fused import check_rotary
 
 NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf - inf
@@ -40,17 +43,22 @@ NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf -
 @triton.jit
 def _decode_stage1(
     Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
-    Pos, Cos, Sin, KNew, VNew, Loc,
+    Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
     stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b)
@@ -94,16 +102,22 @@ def _decode_stage1(
             k1 = tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
             k2 = tl.load(kn_ptr + d_pair, mask=d_mask, other=0.0).to(tl.float32)
             k_rot = (k1 * cos + k2 * sin).to(KNew.dtype.element_ty)
-            tl.store(KBuf + slot * stride_kbs + kv_head * stride_kbh + offs_d,
-                     k_rot.to(KBuf.dtype.element_ty), mask=d_mask)
             v_new = tl.load(VNew + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d,
                             mask=d_mask, other=0.0)
+            if KV_FP8:
+                k_rot = saturate(tl.math.div_rn(k_rot.to(tl.float32), k_scale))
+                v_new = saturate(tl.math.div_rn(v_new.to(tl.float32), v_scale))
+            tl.store(KBuf + slot * stride_kbs + kv_head * stride_kbh + offs_d,
+                     k_rot.to(KBuf.dtype.element_ty), mask=d_mask)
             tl.store(VBuf + slot * stride_vbs + kv_head * stride_vbh + offs_d,
                      v_new.to(VBuf.dtype.element_ty), mask=d_mask)
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + offs_d[None, :], mask=qmask, other=0.0)
-    q = q.to(KBuf.dtype.element_ty)
+    if KV_FP8:  # K/V are upcast to q's dtype instead, their scales taken out of the sums
+        sm_scale = sm_scale * k_scale
+    else:
+        q = q.to(KBuf.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], NEG_FLOOR, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -114,7 +128,7 @@ def _decode_stage1(
         slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, softcap,
                      SOFTCAP)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -123,12 +137,12 @@ def _decode_stage1(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_kv = l_i > 0.0
-    acc = acc / tl.where(has_kv, l_i, 1.0)[:, None]
+    acc = acc * (v_scale / tl.where(has_kv, l_i, 1.0))[:, None]
     lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), NEG_FLOOR)
     # workspace rows: ((b * H + head) * NUM_SPLITS + split)
     ws_row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
@@ -189,7 +203,8 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                      sm_scale: float, num_kv_splits: int,
                      workspace: torch.Tensor | None = None,
                      rope: DecodeRope | None = None, window: int = 0,
-                     softcap: float = 0.0) -> None:
+                     softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
     """Write into ``o`` [B, H, D] the attention of ``q`` [B, H, D] (one token per request)
     over positions ``0 .. seq_lens[b] - 1`` of row ``req_pool_indices[b]``.
 
@@ -202,7 +217,8 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     same launch: ``fused.rotary_store_kv`` followed by this call, without the launch
     in between (a batch-1 step of a small model is mostly launch latency).
 
-    window, softcap: see the module docstring (0: off).
+    window, softcap: see the module docstring (0: off). k_scale, v_scale: float32 [KVH],
+    required for a float8 pool.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -228,14 +244,15 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
         r = rope
     else:  # placeholders for the unused pointers (ROPE=False compiles them out)
         r = DecodeRope(q, q, seq_lens, q, q, seq_lens)
+    fp8 = check_kv_scales(k_buffer, k_scale, v_scale)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    fp32 = k_buffer.dtype == torch.float32
+    fp32 = (q.dtype if fp8 else k_buffer.dtype) == torch.float32  # the dots' dtype
     block_n = 32 if (fp32 or block_d > 128) else 64
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
         r.positions, r.cos, r.sin, r.k, r.v, r.loc,
-        sm_scale, softcap,
+        k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         r.cos.stride(0), r.sin.stride(0), r.k.stride(0), r.k.stride(1),
@@ -243,7 +260,7 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
-        WINDOW=max(0, int(window)), SOFTCAP=softcap > 0,
+        WINDOW=max(0, int(window)), SOFTCAP=softcap > 0, KV_FP8=fp8,
         num_warps=4, num_stages=2,
     )
     _decode_stage2[(batch, num_heads)](

@@ -23,12 +23,19 @@ Invariants the kernel relies on:
 
 Softmax runs in base 2: logits are pre-multiplied by ``sm_scale * log2(e)``; with
 ``SOFTCAP`` c > 0 the scaled score s becomes ``c * tanh(s / c)`` first.
+
+An FP8 pool (``KV_FP8``) holds ``K / k_scale`` and ``V / v_scale`` with one scale per
+KV head: tiles are upcast to q's dtype as they are loaded, and since a program sees one
+KV head, its scales come out of the sums, ``q.(s k) = s (q.k)`` (folded into
+``sm_scale``) and ``sum p (s v) = s sum p v`` (applied to the output once).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .scales import check_kv_scales
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # finite floor for the running max: exp2(floor - real_logit) underflows to exactly 0
@@ -38,12 +45,13 @@ NEG_FLOOR = tl.constexpr(-1.0e30)
 @triton.jit
 def _extend_attn_kernel(
     Q, O, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLens, QoIndptr,
-    sm_scale, softcap,
+    KScale, VScale, sm_scale, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -66,7 +74,12 @@ def _extend_attn_kernel(
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(KBuf.dtype.element_ty)  # same rule as the reference: q in the pool's dtype
+    v_scale = 1.0
+    if KV_FP8:  # K/V are upcast to q's dtype; their scales leave the sums
+        sm_scale = sm_scale * tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
+    else:
+        q = q.to(KBuf.dtype.element_ty)  # same rule as the reference: q in the pool's dtype
     q_pos = prefix + offs_m
 
     m_i = tl.full([BLOCK_M], NEG_FLOOR, dtype=tl.float32)
@@ -86,7 +99,7 @@ def _extend_attn_kernel(
         slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, softcap,
                      SOFTCAP)
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -99,11 +112,11 @@ def _extend_attn_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     tl.store(O + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -139,14 +152,15 @@ def extend_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      extend_prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
                      max_extend_len: int, sm_scale: float, window: int = 0,
-                     softcap: float = 0.0) -> None:
+                     softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
     """Write into ``o`` [T, H, D] the causal attention of the new tokens ``q`` [T, H, D].
 
     k_buffer, v_buffer: [num_slots + 1, KVH, D] with H % KVH == 0; req_to_token: int32
     [rows, max_context]; req_pool_indices, seq_lens, extend_prefix_lens: int [B];
     qo_indptr: int [B + 1]; max_extend_len: host int >= every extend length (it only
     sizes the grid, so no device sync is needed). window, softcap: see the module
-    docstring (0: off).
+    docstring (0: off). k_scale, v_scale: float32 [KVH], required for a float8 pool.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -156,20 +170,23 @@ def extend_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1 and req_to_token.stride(1) == 1
     if batch == 0 or num_tokens == 0 or max_extend_len <= 0:
         return
+    fp8 = check_kv_scales(k_buffer, k_scale, v_scale)
+    compute = q.dtype if fp8 else k_buffer.dtype  # what the dot products run in
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, warps, stages = _launch_config(block_d, k_buffer.dtype, max_extend_len)
+    block_m, block_n, warps, stages = _launch_config(block_d, compute, max_extend_len)
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_attn_kernel[grid](
         q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         extend_prefix_lens, qo_indptr,
-        sm_scale, softcap,
+        k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         # fp32 pools keep full-precision products (tf32 would cost ~1e-3 abs error)
-        DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
-        WINDOW=max(0, int(window)), SOFTCAP=softcap > 0,
+        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
+        WINDOW=max(0, int(window)), SOFTCAP=softcap > 0, KV_FP8=fp8,
         num_warps=warps, num_stages=stages,
     )
+

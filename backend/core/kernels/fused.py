@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .scales import check_kv_scales, saturate
+
 # Widest row one RMSNorm program holds in registers; wider rows loop over chunks of this
 # size (two passes: sum of squares, then normalise). 8192 covers Llama up to 70B (8192).
 MAX_NORM_BLOCK = 8192
@@ -154,12 +156,12 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 @triton.jit
 def _rotary_kernel(
-    Q, K, Pos, Cos, Sin, V, KBuf, VBuf, Loc,
+    Q, K, Pos, Cos, Sin, V, KBuf, VBuf, Loc, KScale, VScale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     stride_vt, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One program per token rotates all its q and k heads: the cos/sin row is gathered
     # once and shared, and q and k need no second launch.
@@ -190,14 +192,22 @@ def _rotary_kernel(
         # straight into the token's KV pool slot, with its v: no second launch, and k
         # itself is left as it was (attention reads the pool)
         slot = tl.load(Loc + t)
+        v_ptr = V + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
+        v_lo = tl.load(v_ptr, mask=kmask)
+        v_hi = tl.load(v_ptr + HALF, mask=kmask)
+        if KV_FP8:  # a float8 pool holds value / scale of the head, clamped to its range
+            ks = tl.load(KScale + hk, mask=hk < NUM_K_HEADS, other=1.0)[:, None]
+            vs = tl.load(VScale + hk, mask=hk < NUM_K_HEADS, other=1.0)[:, None]
+            k_lo = saturate(tl.math.div_rn(k_lo.to(tl.float32), ks))
+            k_hi = saturate(tl.math.div_rn(k_hi.to(tl.float32), ks))
+            v_lo = saturate(tl.math.div_rn(v_lo.to(tl.float32), vs))
+            v_hi = saturate(tl.math.div_rn(v_hi.to(tl.float32), vs))
         kb_ptr = KBuf + slot * stride_kbs + hk[:, None] * stride_kbh + d[None, :]
         tl.store(kb_ptr, k_lo.to(KBuf.dtype.element_ty), mask=kmask)
         tl.store(kb_ptr + HALF, k_hi.to(KBuf.dtype.element_ty), mask=kmask)
-        v_ptr = V + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
         vb_ptr = VBuf + slot * stride_vbs + hk[:, None] * stride_vbh + d[None, :]
-        tl.store(vb_ptr, tl.load(v_ptr, mask=kmask).to(VBuf.dtype.element_ty), mask=kmask)
-        tl.store(vb_ptr + HALF, tl.load(v_ptr + HALF, mask=kmask).to(VBuf.dtype.element_ty),
-                 mask=kmask)
+        tl.store(vb_ptr, v_lo.to(VBuf.dtype.element_ty), mask=kmask)
+        tl.store(vb_ptr + HALF, v_hi.to(VBuf.dtype.element_ty), mask=kmask)
     else:
         tl.store(k1_ptr, k_lo, mask=kmask)
         tl.store(k1_ptr + HALF, k_hi, mask=kmask)
@@ -214,7 +224,7 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """
     check_rotary(q, k, positions, cos, sin)
     if q.shape[0]:
-        _launch_rotary(q, k, positions, cos, sin, None, None, None, None)
+        _launch_rotary(q, k, positions, cos, sin, None, None, None, None, None, None)
 
 
 def check_rotary(q, k, positions, cos, sin) -> None:
@@ -226,28 +236,33 @@ def check_rotary(q, k, positions, cos, sin) -> None:
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
 
 
-def _launch_rotary(q, k, positions, cos, sin, v, k_buffer, v_buffer, loc) -> None:
+def _launch_rotary(q, k, positions, cos, sin, v, k_buffer, v_buffer, loc, k_scale,
+                   v_scale) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     half, num_k_heads = head_dim // 2, k.shape[1]
     bqh, bkh = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
     bd = triton.next_power_of_2(half)
     store = k_buffer is not None
     v, kb, vb, loc = (v, k_buffer, v_buffer, loc) if store else (k, k, k, positions)
+    fp8 = store and check_kv_scales(k_buffer, k_scale, v_scale)
+    ks, vs = (k_scale, v_scale) if fp8 else (k, k)
     _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos, sin, v, kb, vb, loc,
+        q, k, positions, cos, sin, v, kb, vb, loc, ks, vs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         v.stride(0), v.stride(1), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
-        BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=bd, STORE=store,
+        BLOCK_QH=bqh, BLOCK_KH=bkh, BLOCK_D=bd, STORE=store, KV_FP8=fp8,
         num_warps=4 if bqh * bd <= 2048 else 8,
     )
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor) -> None:
+                    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     """``rotary_embedding_(q, k, ...)`` and then ``kv_store.store_kv(k_buffer, v_buffer,
-    loc, k, v)`` in one launch; q is rotated in place, k is left unrotated (only its
+    loc, k, v, k_scale, v_scale)`` in one launch; q is rotated in place, k is left unrotated (only its
     pool copy is). Same arguments and constraints as those two functions."""
     check_rotary(q, k, positions, cos, sin)
     assert v.shape == k.shape and v.stride(-1) == 1
@@ -255,7 +270,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert k_buffer.shape[1:] == k.shape[1:] and v_buffer.shape == k_buffer.shape
     assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
     if q.shape[0]:
-        _launch_rotary(q, k, positions, cos, sin, v, k_buffer, v_buffer, loc)
+        _launch_rotary(q, k, positions, cos, sin, v, k_buffer, v_buffer, loc, k_scale, v_scale)
 
 
 @triton.jit

@@ -53,19 +53,17 @@ class TorchAttention(AttentionBackend):
     a loop over requests for extends."""
 
     def forward(self, q, k, v, layer_id, batch, scale, *, window=0, softcap=0.0):
-        k_buf = self.kv_pool.k_buffer[layer_id]
-        v_buf = self.kv_pool.v_buffer[layer_id]
-        k_buf[batch.out_cache_loc] = k.to(k_buf.dtype)
-        v_buf[batch.out_cache_loc] = v.to(v_buf.dtype)
+        pool = self.kv_pool
+        pool.store(layer_id, batch.out_cache_loc, k, v)
         if batch.is_decode:
-            return self._decode(q, k_buf, v_buf, batch, scale, window, softcap)
+            return self._decode(q, layer_id, batch, scale, window, softcap)
         out = torch.empty_like(q)
         start = 0
         for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)):
             seq_len = prefix + n
             slots = self.req_to_token[batch.req_pool_indices[i], :seq_len].long()
-            keys = k_buf[slots].transpose(0, 1)  # [KVH, S, D]
-            values = v_buf[slots].transpose(0, 1)
+            keys, values = pool.read(layer_id, slots, q.dtype)
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [KVH, S, D]
             query = q[start:start + n].transpose(0, 1)  # [H, n, D]
             # query j sits at absolute position prefix + j and sees keys 0..prefix + j
             # (only the last `window` of them in a sliding-window layer)
@@ -77,11 +75,12 @@ class TorchAttention(AttentionBackend):
             start += n
         return out
 
-    def _decode(self, q, k_buf, v_buf, batch, scale, window, softcap):
+    def _decode(self, q, layer_id, batch, scale, window, softcap):
         max_len = batch.max_seq_len
         slots = self.req_to_token[batch.req_pool_indices, :max_len].long()  # [B, S]
-        keys = k_buf[slots].permute(0, 2, 1, 3)  # [B, KVH, S, D]
-        values = v_buf[slots].permute(0, 2, 1, 3)
+        keys, values = self.kv_pool.read(layer_id, slots, q.dtype)
+        keys = keys.permute(0, 2, 1, 3)  # [B, KVH, S, D]
+        values = values.permute(0, 2, 1, 3)
         k_pos = torch.arange(max_len, device=q.device)[None, :]
         q_pos = (batch.seq_lens - 1).unsqueeze(1)  # the new token is the last position
         valid = _visible(q_pos, k_pos, window)  # [B, S]; also hides the padding past it

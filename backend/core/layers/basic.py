@@ -27,6 +27,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def project(proj: nn.Module, x: torch.Tensor, fuse_rows: bool) -> torch.Tensor:
+    """``proj(x)`` for a linear layer ``proj``: the one place where a projection's
+    weights meet its input. Batch-1 rows of a half-precision ``nn.Linear`` take the
+    matrix-vector kernel (``fuse_rows``); any other layer runs its own forward, which is
+    ``F.linear`` for ``nn.Linear`` and the float8 product for ``fp8_linear.Fp8Linear``
+    (whose float8 weight never passes ``rows_fusable``)."""
+    if fuse_rows and rows_fusable(x, proj.weight, proj.bias):
+        return linear(x, proj.weight, proj.bias, True)
+    return proj(x)
+
+
 def rows_fusable(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """Whether ``kernels/gemv.py`` takes this input: a CUDA half-precision batch of at
     most MAX_ROWS rows whose parameters share its dtype."""
@@ -60,7 +71,10 @@ class RMSNorm(nn.Module):
     def linear(self, proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``(proj(norm(x)), x)``; with ``residual``: ``(proj(norm(x + residual)),
         x + residual)``, i.e. ``forward`` followed by the projection."""
-        return self.linear_weight(proj.weight, proj.bias, x, residual)
+        if self.fuse_rows and rows_fusable(x, self.weight, proj.weight, proj.bias):
+            return self.linear_weight(proj.weight, proj.bias, x, residual)
+        normed, residual = (self(x), x) if residual is None else self(x, residual)
+        return project(proj, normed, False), residual
 
     def linear_weight(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
                       residual: torch.Tensor | None = None,

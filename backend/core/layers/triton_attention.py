@@ -86,8 +86,9 @@ class TritonAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float, *, window: int = 0,
                 softcap: float = 0.0) -> torch.Tensor:
-        store_kv(self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
-                 batch.out_cache_loc, k, v)
+        pool = self.kv_pool
+        store_kv(pool.k_buffer[layer_id], pool.v_buffer[layer_id], batch.out_cache_loc, k, v,
+                 *self._scales(layer_id))
         return self._attend(q, layer_id, batch, _Scoring(scale, window, softcap))
 
     def forward_rotary(self, q, k, v, layer_id, batch, scale, rotary, *, window=0, softcap=0.0):
@@ -102,7 +103,7 @@ class TritonAttention(AttentionBackend):
         # one launch rotates q and k and writes k and v to their pool slots
         rotary_store_kv(q, k, v, batch.positions, rotary.cos, rotary.sin,
                         self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
-                        batch.out_cache_loc)
+                        batch.out_cache_loc, *self._scales(layer_id))
         return self._attend(q, layer_id, batch, scoring)
 
     def _attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch,
@@ -111,6 +112,7 @@ class TritonAttention(AttentionBackend):
         (decode with ``rope``) rotated and stored by the decode kernel itself."""
         k_buf = self.kv_pool.k_buffer[layer_id]
         v_buf = self.kv_pool.v_buffer[layer_id]
+        k_scale, v_scale = self._scales(layer_id)
         out = torch.empty_like(q)
         if batch.batch_size == 0 or q.shape[0] == 0:
             return out
@@ -121,13 +123,22 @@ class TritonAttention(AttentionBackend):
             workspace = self._decode_workspace(batch.batch_size, num_heads, splits)
             decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                              batch.seq_lens, scoring.scale, splits, workspace=workspace,
-                             rope=rope, window=scoring.window, softcap=scoring.softcap)
+                             rope=rope, window=scoring.window, softcap=scoring.softcap,
+                             k_scale=k_scale, v_scale=v_scale)
         else:
             extend_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                              batch.seq_lens, batch.extend_prefix_lens, batch.qo_indptr,
                              batch.max_extend_len, scoring.scale, window=scoring.window,
-                             softcap=scoring.softcap)
+                             softcap=scoring.softcap, k_scale=k_scale, v_scale=v_scale)
         return out
+
+
+    def _scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This layer's per-head K and V scales for a float8 pool; (None, None) otherwise."""
+        pool = self.kv_pool
+        if not pool.quantized:
+            return None, None
+        return pool.k_scale[layer_id], pool.v_scale[layer_id]
 
 
 class _Scoring(NamedTuple):

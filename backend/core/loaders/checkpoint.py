@@ -67,12 +67,19 @@ class HFFolder(Checkpoint):
     def config(self):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(self.path))
+        from .fp8_checkpoint import fp8_scheme
+
+        config = AutoConfig.from_pretrained(str(self.path))
+        fp8_scheme(config)  # refuses a quantization the loader cannot read, up front
+        return config
 
     def weights(self):
+        from .fp8_checkpoint import dequantized, fp8_scheme
         from .torch_files import iter_weights, weight_files
 
-        return iter_weights(weight_files(self.path))
+        weights = iter_weights(weight_files(self.path))
+        scheme = fp8_scheme(self.config)
+        return weights if scheme is None else dequantized(weights, scheme)
 
     def tokenizer(self):
         from transformers import AutoTokenizer

@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from ..layers.basic import GatedMLP, GemmaRMSNorm, linear
+from ..layers.basic import GatedMLP, GemmaRMSNorm, linear, project
 from ..layers.rotary import RotaryEmbedding
 from ..parallel.layers import VocabParallelEmbedding, gather_logits
 from ..parallel.shards import split_evenly
@@ -58,8 +58,7 @@ class Gemma3DecoderLayer(nn.Module):
         """(this block's output, the stream before adding it), as in ``llama.py``."""
         h, residual = (self.input_layernorm(x), x) if residual is None else \
             self.input_layernorm(x, residual)
-        proj = self.self_attn.qkv_proj
-        qkv = linear(h, proj.weight, proj.bias, self.self_attn.fuse_rows)
+        qkv = project(self.self_attn.qkv_proj, h, self.self_attn.fuse_rows)
         a = self.post_attention_layernorm(self.self_attn(qkv, batch, attn, rotary, layer_id))
         h, residual = self.pre_feedforward_layernorm(a, residual)
         return self.post_feedforward_layernorm(self.tp.all_reduce(self.mlp(h))), residual

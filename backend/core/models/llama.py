@@ -20,7 +20,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..layers.attention import AttentionBackend
-from ..layers.basic import GatedMLP, RMSNorm, linear, rows_fusable
+from ..layers.basic import GatedMLP, RMSNorm, linear, project, rows_fusable
 from ..layers.rotary import RotaryEmbedding
 from ..parallel.group import TensorParallel
 from ..parallel.layers import VocabParallelEmbedding, gather_logits
@@ -80,7 +80,7 @@ class Attention(nn.Module):
                                   window=self.window, softcap=self.softcap)
         o_proj, out = self.o_proj, out.reshape(-1, self.q_size)
         if self.tp.size == 1:
-            return linear(out, o_proj.weight, o_proj.bias, self.fuse_rows)
+            return project(o_proj, out, self.fuse_rows)
         out = self.tp.all_reduce(linear(out, o_proj.weight, None, self.fuse_rows))
         return out if o_proj.bias is None else out + o_proj.bias  # the bias once, not N times
 

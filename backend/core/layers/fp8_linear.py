@@ -1,0 +1,116 @@
+"""FP8 linear layers: float8 e4m3 weights with a scale per output channel.
+
+``quantize_linears`` swaps each ``nn.Linear`` of the decoder layers for an ``Fp8Linear``
+after the weights are loaded; the model classes call their projections as before
+(``basic.project`` or a module call) and never mention FP8. The LM head (an untied
+``lm_head`` or the tied embedding) stays in the model's dtype: its logits feed sampling
+directly, and on small models it is a large share of the weights' error.
+
+The product (W8A8): each token's activation row is quantized on the fly with its own
+scale (dynamic per-token scaling), then one float8 x float8 matrix product with float32
+accumulation applies both scales to its output,
+
+    y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]  (+ bias[n])
+
+On the H200 this is ``torch._scaled_mm`` with row-wise scales (cuBLASLt/CUTLASS float8
+tensor-core GEMM). Why W8A8 and not weight-only FP8 with the dequantization inside a
+bf16 kernel: batched decode and prefill are bound by the matrix products, and the
+float8 tensor cores run twice the bf16 rate; a weight-only kernel halves the weight bytes
+too but computes in bf16, so it only matches W8A8 where the step is bound by weight
+bytes (batch 1). There the extra per-token quantization pass over the activations is
+one small fused launch (``kernels/fp8_quant.py``) that a CUDA graph replays for free.
+``tools/gpu/check_fp8.py`` measures both alternatives at batch 1/32/128.
+
+On CPU (and wherever ``_scaled_mm`` does not apply: dimensions not multiples of 16)
+the same quantized operands are dequantized to float32 and multiplied there: the same
+numbers as the GPU product up to the order of the float32 sums, so CI tests the path
+the GPU runs, quantization error included.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..fp8 import FP8_DTYPE, MIN_SCALE, FP8_MAX, quantize_rows, to_fp8
+
+# _scaled_mm needs both dimensions of the weight to be multiples of 16
+_MM_ALIGN = 16
+
+
+class Fp8Linear(nn.Module):
+    """``y = x W^T + b`` with W in float8 e4m3 [out, in] and ``weight_scale`` [out]."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        assert weight.dtype == FP8_DTYPE and weight.dim() == 2
+        assert weight_scale.shape == (weight.shape[0],) and weight_scale.dtype == torch.float32
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("weight", weight)
+        # [1, out]: the row-wise layout _scaled_mm takes for the second operand
+        self.register_buffer("weight_scale", weight_scale.view(1, -1))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        """Quantize ``linear``'s weight row by row (absmax / 448 a row)."""
+        q, scale = quantize_rows(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(q, scale.view(-1), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if x.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
+            y = scaled_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
+        else:
+            y = emulated_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 rows, float32 scales [T, 1]): dynamic per-token scaling of x [T, K]."""
+    if x.is_cuda:
+        from ..kernels.fp8_quant import per_token_quant
+
+        return per_token_quant(x)
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return to_fp8(x, scale), scale
+
+
+def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+              w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float8 GEMM with row-wise scales; xq [T, K], x_scale [T, 1], wq [N, K],
+    w_scale [1, N]. Row-wise scaling writes bfloat16 only: other dtypes are a cast."""
+    if xq.shape[0] == 0:
+        return torch.empty((0, wq.shape[0]), dtype=dtype, device=xq.device)
+    y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale,
+                         out_dtype=torch.bfloat16)
+    return y if dtype == torch.bfloat16 else y.to(dtype)
+
+
+def emulated_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+                w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scaled_mm``'s numbers from dequantized float32 operands."""
+    x = xq.float() * x_scale
+    w = wq.float() * w_scale.view(-1, 1)
+    return F.linear(x, w).to(dtype)
+
+
+def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace every ``nn.Linear`` of ``model`` whose name is not in ``keep`` by an
+    ``Fp8Linear`` (in place, one layer at a time, so the peak memory is the model plus
+    one layer); returns how many were replaced."""
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in keep]
+    for name in names:  # names only: no reference keeps a replaced layer alive
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Fp8Linear.from_linear(parent.get_submodule(child)))
+    return len(names)

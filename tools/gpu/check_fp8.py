@@ -1,0 +1,223 @@
+"""FP8 on the GPU: kernels against torch, W8A8 products against bf16, decode speed and
+quality of bf16 vs FP8 weights vs FP8 KV vs both.
+
+    python3 tools/gpu/check_fp8.py --out $OUT [--smollm2 DIR] [--parts kernels,gemm,speed,quality]
+
+* kernels: the float8 KV stores (store_kv, the fused rotary store, the decode kernel's
+  own store) give the bytes ``KVPool.store`` gives, exactly; attention over a float8
+  pool equals the torch backend's; the per-token quantizer equals its torch reference;
+  ``_scaled_mm`` equals the dequantized float32 product.
+* gemm: time of one projection of Llama-3.1-8B's shapes at 1/32/128/1024 tokens, bf16
+  ``F.linear`` vs ``Fp8Linear`` (per-token quantization + ``_scaled_mm``), the choice
+  ``layers/fp8_linear.py`` explains.
+* speed: output tokens/s at batch 1/32/128 (32-token prompts, 128 new tokens) for an
+  8B-shaped random-weight model and SmolLM2, one process per engine setting.
+* quality (SmolLM2 in bf16): agreement and KL of next-token distributions
+  (tools/fp8_quality.py) and free-running greedy agreement against the bf16 engine.
+
+SmolLM2 comes from ``--smollm2`` (a Hugging Face folder), else from the folder
+``check_real_models.py`` assembles from the carried batches (stage them first, as that
+script says); without either, its rows are skipped and say so. Writes ``$OUT/fp8.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+SETTINGS = {"bf16": {}, "fp8_weights": {"quantization": "fp8"},
+            "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
+            "both": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}}
+BATCHES = (1, 32, 128)
+PROMPT_LEN, NEW_TOKENS = 32, 128
+GEMM_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+               "down": (14336, 4096)}
+
+
+def shape_folder(name: str, tokenizer: str | None) -> str:
+    """A random-weight model folder of shape ``name`` (benchmarks/gpu/shapes.py), with
+    the tokenizer of the folder ``tokenizer`` (SmolLM2's; or models/default here)."""
+    from benchmarks.gpu.shapes import write_shape
+
+    tok = Path(tokenizer) if tokenizer else REPO / "models" / "default"
+    return str(write_shape(name, Path(tempfile.mkdtemp(prefix="fp8-shapes-")), tok))
+
+
+def smollm2_folder(given: str | None) -> str | None:
+    if given:
+        return given
+    try:
+        from tools.gpu import check_real_models as real
+
+        real.stage()
+        sys.path.insert(0, str(real.assemble("gguf-0.19.0-py3-none-any.whl")))
+        import tarfile
+
+        with tarfile.open(real.assemble("tokenizers.tar.xz")) as tar:
+            tar.extractall(real.WORK, filter="data")
+        return str(real.hf_folder("smollm2"))
+    except (SystemExit, OSError, ImportError) as exc:
+        print(f"SmolLM2 not available ({exc}): its rows are skipped", flush=True)
+        return None
+
+
+# ---------------------------------------------------------------- gemm
+def time_gemm(device: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from backend.core.layers.fp8_linear import Fp8Linear
+
+    out = {}
+    for name, (k, n) in GEMM_SHAPES.items():
+        lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        fp8 = Fp8Linear.from_linear(lin)
+        for m in (1, 32, 128, 1024):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            bf16_us = _cuda_time(lambda: F.linear(x, lin.weight))
+            fp8_us = _cuda_time(lambda: fp8(x))
+            out[f"{name}/m{m}"] = {"bf16_us": bf16_us, "fp8_us": fp8_us,
+                                   "speedup": round(bf16_us / fp8_us, 3)}
+        print("gemm", name, {m: out[f"{name}/m{m}"]["speedup"] for m in (1, 32, 128, 1024)},
+              flush=True)
+    return out
+
+
+def _cuda_time(fn, reps: int = 50) -> float:
+    """Median microseconds of ``fn`` replayed in a CUDA graph (no launch overhead)."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return round(sorted(times)[len(times) // 2], 2)
+
+
+# ---------------------------------------------------------------- speed (one process each)
+def speed_one(model: str, setting: str, device: str, dummy: bool) -> dict:
+    import random
+
+    from backend.core import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model_path=model, device=device, dtype="bfloat16",
+                                 load_format="dummy" if dummy else "auto",
+                                 max_running_requests=max(BATCHES), **SETTINGS[setting]))
+    rng = random.Random(0)
+    top = min(30000, engine.runner.vocab_size)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.generate([[rng.randrange(100, top) for _ in range(PROMPT_LEN)]] * 2, params)
+    out = {"kv_pool_tokens": engine.runner.kv_pool.size}
+    for batch in BATCHES:
+        prompts = [[rng.randrange(100, top) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+        started = time.perf_counter()
+        engine.generate(prompts, params)
+        out[f"batch{batch}_tok_s"] = round(batch * NEW_TOKENS / (time.perf_counter() - started), 1)
+    engine.close()
+    return out
+
+
+def speed(model: str, dummy: bool, device: str) -> dict:
+    result = {}
+    for setting in SETTINGS:
+        cmd = [sys.executable, __file__, "--speed-one", model, setting, "--device", device]
+        cmd += ["--dummy"] if dummy else []
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SPEED ")]
+        result[setting] = (json.loads(lines[-1][6:]) if lines
+                           else {"error": proc.stderr[-2000:]})
+        print("speed", Path(model).name, setting, result[setting], flush=True)
+    base = result["bf16"]
+    for setting, row in result.items():
+        if "error" not in row and "error" not in base:
+            row["vs_bf16"] = {f"batch{b}": round(row[f"batch{b}_tok_s"] / base[f"batch{b}_tok_s"], 3)
+                              for b in BATCHES}
+    return result
+
+
+# ---------------------------------------------------------------- quality
+def quality(model: str, device: str) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from backend.core import Engine, EngineConfig, SamplingParams
+    from tools import fp8_quality
+    from tools.gpu.check_real_models import RAW, compare
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [tok(t)["input_ids"] for t in fp8_quality.TEXTS]
+    prompts = [tok.encode(p) for p in RAW]
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    logits, greedy, out = {}, {}, {}
+    for setting, extra in SETTINGS.items():
+        engine = Engine(EngineConfig(model_path=model, device=device, dtype="bfloat16",
+                                     max_total_tokens=65536, **extra))
+        logits[setting] = fp8_quality.text_logits(engine.runner, texts)
+        greedy[setting] = [o.token_ids for o in engine.generate(prompts, params)]
+        engine.close()
+        del engine
+        torch.cuda.empty_cache()
+        if setting != "bf16":
+            out[setting] = dict(fp8_quality.compare(logits["bf16"], logits[setting]).as_dict(),
+                                greedy=compare(greedy[setting], greedy["bf16"]))
+            print("quality", setting, out[setting]["mean_kl"], out[setting]["agreement"],
+                  out[setting]["greedy"]["share_tokens"], flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--smollm2", default=None, help="a Hugging Face folder of SmolLM2-135M")
+    ap.add_argument("--parts", default="kernels,gemm,speed,quality")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--speed-one", nargs=2, metavar=("MODEL", "SETTING"), help=argparse.SUPPRESS)
+    ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.speed_one:
+        print("SPEED " + json.dumps(speed_one(*args.speed_one, args.device, args.dummy)))
+        return 0
+    import torch
+
+    parts = args.parts.split(",")
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+              "torch": torch.__version__}
+    smollm2 = smollm2_folder(args.smollm2) if {"speed", "quality"} & set(parts) else None
+    if "kernels" in parts:
+        from tools.gpu.fp8_kernel_checks import check_kernels
+
+        report["kernels"] = check_kernels(args.device)
+        print("kernels", report["kernels"], flush=True)
+    if "gemm" in parts:
+        report["gemm"] = time_gemm(args.device)
+    if "speed" in parts:
+        report["speed"] = {"llama-8b": speed(shape_folder("llama-8b", smollm2), True, args.device)}
+        if smollm2:
+            report["speed"]["smollm2"] = speed(smollm2, False, args.device)
+    if "quality" in parts:
+        report["quality"] = quality(smollm2, args.device) if smollm2 else "SmolLM2 not available"
+    out = Path(args.out) / "fp8.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0 if report.get("kernels", {}).get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
