@@ -83,6 +83,14 @@ class TokenDecoder:
         self.byte_of = _byte_fallback_ids(tokenizer)
         self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.decode = _decode_fn(tokenizer)
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included (as logprobs show it)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], False)
+        return text
 
     @classmethod
     def of(cls, tokenizer_or_decoder) -> "TokenDecoder":
