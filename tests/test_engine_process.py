@@ -15,7 +15,7 @@ from backend.core.handle import GenerateRequest
 from backend.engine_process import EngineProcess, EngineProcessDied
 from backend.serving import EngineLoop
 from engine_helpers import make_engine, random_prompts, tiny_model
-from test_server_loop import RecordingSink
+from loop_helpers import RecordingSink
 
 SETTINGS = dict(device="cpu", dtype="float32", max_total_tokens=4096, max_running_requests=32,
                 max_prefill_tokens=512)

@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from backend import wire
 from backend.serving import EngineLoop
 from conftest import SERVED_MODEL, _stop, start_server
-from test_server_loop import RecordingSink, ScriptedEngine, generate
+from loop_helpers import RecordingSink, ScriptedEngine, generate
 
 
 def started(engine=None, **kwargs) -> EngineLoop:
@@ -91,13 +91,19 @@ class RecordingMetrics:
         self.samples = 0
         self.lock = threading.Lock()
 
-    def observe_outputs(self, outputs):
+    def observe_outputs(self, outputs, made_at=None):
         with self.lock:
             self.finished += [o for o in outputs if o.finished]
+
+    def observe_request(self, n):
+        pass
 
     def sample(self, engine):
         engine.stats()
         self.samples += 1
+
+    def flush(self):
+        pass
 
 
 def test_the_loop_hands_finished_outputs_and_stats_samples_to_the_metrics():
@@ -119,10 +125,16 @@ def test_the_loop_hands_finished_outputs_and_stats_samples_to_the_metrics():
 
 def test_a_failing_metrics_recorder_does_not_disturb_serving():
     class Broken:
-        def observe_outputs(self, outputs):
+        def observe_outputs(self, outputs, made_at=None):
+            raise RuntimeError("IPC failed")
+
+        def observe_request(self, n):
             raise RuntimeError("IPC failed")
 
         def sample(self, engine):
+            raise RuntimeError("IPC failed")
+
+        def flush(self):
             raise RuntimeError("IPC failed")
 
     loop = started(metrics=Broken())

@@ -243,6 +243,7 @@ class Engine:
                 r.num_computed - r.tree_owned_len for r in self.scheduler.running),
             "radix_cache_tokens": self.cache.total_size(),
             "num_retractions": self.scheduler.num_retractions,
+            "context_len": self.context_len,
             **dataclasses.asdict(self.counters),
         }
 

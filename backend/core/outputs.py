@@ -56,6 +56,7 @@ class StepOutput:
     # On the final output: seconds from arrival to admission ("queue_time"), to the first
     # token ("time_to_first_token") and to the end ("e2e_latency"), and the mean gap
     # between later tokens ("time_per_output_token", absent with fewer than 2 tokens).
+    # A sample's first output carries the first two.
     timings: dict[str, float] | None = None
 
     @classmethod

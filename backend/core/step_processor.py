@@ -179,8 +179,9 @@ def _output(r: Req, new_ids: list[int], text: str, context: list[int], n_out: in
     if new_ids:
         if r.params.logprobs is not None:
             out.logprobs = r.logprobs[-len(new_ids):]
-        if n_out == len(new_ids):
+        if n_out == len(new_ids):  # the sample's first output
             out.prompt_logprobs = r.prompt_logprobs
+            out.timings = _first_timings(r)
     if r.params.wants_token_logprobs:
         out.cumulative_logprob = r.cumulative_logprob
     if r.error is not None:
@@ -199,6 +200,14 @@ def _detok_context(r: Req, end: int | None = None) -> list[int]:
     if end >= k:
         return out[end - k:end]
     return r.text_state.prompt_ids[-(k - end):] + out[:end]
+
+
+def _first_timings(r: Req) -> dict[str, float]:
+    """On a sample's first output: arrival to admission and to the first token."""
+    t = {"time_to_first_token": r.first_token_time - r.arrival}
+    if r.first_admit_time is not None:
+        t["queue_time"] = r.first_admit_time - r.arrival
+    return t
 
 
 def _timings(r: Req) -> dict[str, float]:
