@@ -93,6 +93,7 @@ OUTPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": dims} for name, 
     (PROMPT_LOGPROBS, "TYPE_STRING", [1]), (CHOICE_SCORES, "TYPE_STRING", [1]),
     (STATS, "TYPE_STRING", [1])))
 INPUT_NAMES = tuple(spec["name"] for spec in INPUT_SPECS)
+OUTPUT_NAMES = frozenset(spec["name"] for spec in OUTPUT_SPECS)
 
 
 class InputError(ValueError):
@@ -199,9 +200,13 @@ def _sampling_dict(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, An
 
 
 def _outputs(inputs, parameters, requested: frozenset[str] | None) -> frozenset[str]:
-    """The optional outputs a request asked for."""
+    """The optional outputs a request asked for. Triton reports every output as
+    requested when a request names none, so only a request naming some of them (not
+    all) asks for outputs by name."""
     asked = {name for flag, name in RETURN_FLAGS.items() if _flag(inputs, parameters, flag)}
-    return frozenset(asked | (set(requested or ()) & set(OPTIONAL_OUTPUTS)))
+    if requested is not None and not requested >= OUTPUT_NAMES:
+        asked |= requested & set(OPTIONAL_OUTPUTS)
+    return frozenset(asked)
 
 
 def _special(parameters: Mapping[str, Any]) -> Job | None:

@@ -72,6 +72,9 @@ def test_optional_outputs_are_asked_by_return_flags_or_by_name():
     named = wire.parse_request({"text_input": text("a")}, {},
                                requested=frozenset({wire.TEXT_OUTPUT, wire.OUTPUT_IDS}))
     assert named.outputs == {wire.OUTPUT_IDS}
+    # Triton reports every output as requested when a request names none
+    unnamed = wire.parse_request({"text_input": text("a")}, {}, requested=wire.OUTPUT_NAMES)
+    assert unnamed.outputs == frozenset()
     cumulative = parse(text_input=text("a"), return_cumulative_logprob=flag(True))
     assert cumulative.params.cumulative_logprob is True  # the engine computes them then
 
