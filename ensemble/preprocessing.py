@@ -6,7 +6,8 @@ textproc.py; this file only moves tensors.
 
 Inputs (all optional, see textproc.prompt_ids): ``text_input`` (string), ``messages``
 (string, JSON chat), ``apply_chat_template`` (bool), ``exclude_input_in_output`` (bool,
-passed on to the engine: true by default, false to have the prompt returned).
+passed on to the engine; unset, it is the engine model's default: true when ``stream``
+is, false otherwise, so a whole answer starts with its prompt).
 Outputs: ``input_ids`` (INT64 [-1]) and ``exclude_input_in_output`` (BOOL [1]).
 """
 from __future__ import annotations
@@ -64,7 +65,8 @@ class TritonPythonModel:
                 ids = textproc.prompt_ids(self.tokenizer, text=_text(request, "text_input"),
                                           messages=_text(request, "messages"),
                                           apply_chat_template=_flag(request, "apply_chat_template"))
-                exclude = _flag(request, "exclude_input_in_output", default=True)
+                exclude = _flag(request, "exclude_input_in_output",
+                                default=_flag(request, "stream"))
                 outputs = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int64)),
                            pb_utils.Tensor("exclude_input_in_output", np.array([exclude]))]
                 responses.append(pb_utils.InferenceResponse(output_tensors=outputs))

@@ -45,6 +45,8 @@ def inputs(**values) -> list[grpcclient.InferInput]:
 
 
 def ensemble_inputs(prompt: str, stream: bool, params: dict = GREEDY, **extra):
+    """Without the prompt in the answer, unless ``extra`` says otherwise."""
+    extra = {"exclude_input_in_output": True, **extra}
     return inputs(text_input=prompt, stream=stream, sampling_parameters=json.dumps(params),
                   **extra)
 
@@ -167,13 +169,15 @@ def test_http_generate_and_generate_stream_through_the_ensemble(triton_server):
     url = f"http://{triton_server.http_url}/v2/models/{ENSEMBLE}"
     whole = requests.post(f"{url}/generate", json=body, timeout=120).json()
     direct = requests.post(f"http://{triton_server.http_url}/v2/models/llm/generate",
-                           json={**body, "exclude_input_in_output": True}, timeout=120).json()
+                           json=body, timeout=120).json()
+    # as the engine model does by default, a whole answer starts with its prompt
     assert whole["text_output"] == direct["text_output"] and whole["finish_reason"] == "length"
+    assert whole["text_output"].startswith(PROMPTS["zh"])
     with requests.post(f"{url}/generate_stream", json={**body, "stream": True}, timeout=120,
                        stream=True) as response:
         events = [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
                   if line.startswith(b"data: ")]
-    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+    assert PROMPTS["zh"] + "".join(e["text_output"] for e in events) == whole["text_output"]
     assert len(events) > 1 and events[-1]["finish_reason"] == "length"
 
 
@@ -182,10 +186,12 @@ def test_chat_messages_are_rendered_by_preprocessing(client, triton_server):
     rendered = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
                 "Xin chào, bạn khỏe không?<|im_end|>\n<|im_start|>assistant\n")
     client.send(ENSEMBLE, "chat", inputs(messages=json.dumps(messages), stream=False,
-                                         sampling_parameters=json.dumps(GREEDY)))
+                                         sampling_parameters=json.dumps(GREEDY),
+                                         exclude_input_in_output=True))
     client.send(ENSEMBLE, "flag", inputs(text_input=messages[0]["content"],
                                          apply_chat_template=True, stream=False,
-                                         sampling_parameters=json.dumps(GREEDY)))
+                                         sampling_parameters=json.dumps(GREEDY),
+                                         exclude_input_in_output=True))
     client.send("llm", "direct", llm_inputs(rendered, stream=False))
     got = client.collect(["chat", "flag", "direct"])
     assert text(got["chat"]) == text(got["flag"]) == text(got["direct"])
