@@ -118,7 +118,10 @@ class EngineLoop:
             request = ScoreRequest(rid, job.prompt, job.choices)
         else:
             if job.prepend_input and not isinstance(job.prompt, str):
-                tracked.prompt_text = self.engine.prompt_text(job.prompt)
+                try:
+                    tracked.prompt_text = self.engine.prompt_text(job.prompt)
+                except (OverflowError, ValueError, TypeError):
+                    pass  # ids outside the vocabulary: the engine refuses them by name
             if wire.CANCEL_TOKEN in job.outputs:
                 tracked.cancel_token = secrets.token_hex(16)
             request = GenerateRequest(rid, job.prompt, job.params, _text_per_step(job, sink))

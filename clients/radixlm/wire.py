@@ -81,6 +81,10 @@ NOT_FINISHED = "None"  # finish_reason of a sample still running
 CHOICE_SCORE_KEYS = ("choice", "logprob_sum", "num_tokens", "normalized_logprob",
                      "token_logprobs", "token_ids")
 
+# Request parameter of the server's debug requests; "flush_cache" empties its prefix cache.
+DEBUG_PARAM = "debug"
+FLUSH_CACHE = "flush_cache"
+
 # Response parameter that marks a request's last response (set by Triton itself).
 FINAL_RESPONSE_PARAM = "triton_final_response"
 # Model config parameters the client reads.
