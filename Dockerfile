@@ -67,6 +67,13 @@ RUN test -f /models/model_repository/preprocessing/1/model.py && \
     test -f /models/model_repository/postprocessing/1/model.py
 COPY docker/entrypoint.py /opt/radixlm/entrypoint.py
 
+# The OpenAI-compatible server (radixlm-openai: the client package with its "openai" extra),
+# which the Helm chart runs as a sidecar talking to tritonserver over gRPC; sglang-router (from
+# docker/requirements-gpu.txt) lets the chart's router Deployment run from this image too.
+COPY clients/ /opt/radixlm/src/clients/
+RUN python3 -m pip install "/opt/radixlm/src/clients[openai]" && \
+    radixlm-openai --help >/dev/null && sglang-router launch --help >/dev/null
+
 # Engine settings applied by the entrypoint (docker/entrypoint.py) to the engine model's
 # config.pbtxt at start: the model folder, the GPU, one engine per visible GPU with two
 # Triton instances (stubs) in front of it (backend/engine_process.py).
@@ -76,7 +83,8 @@ ENV RADIXLM_MODEL_PATH=/opt/radixlm/models/default \
     RADIXLM_INSTANCE_GROUP="[ { count: 2, kind: KIND_GPU } ]"
 
 WORKDIR /opt/radixlm
-# 8000 HTTP/REST (KServe v2), 8001 gRPC, 8002 Prometheus metrics.
+# 8000 HTTP/REST (KServe v2), 8001 gRPC, 8002 Prometheus metrics. The OpenAI API is a second
+# process of its own (the chart's sidecar: `radixlm-openai --grpc-url localhost:8001`, :8080).
 EXPOSE 8000 8001 8002
 
 # Ready = every model loaded. Loading weights and capturing CUDA graphs takes a while.

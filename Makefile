@@ -8,13 +8,18 @@ MODEL  := models/default
 HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT  ?= 8080
+# make replicas: REPLICAS servers (tritonserver + radixlm-openai each) behind sglang-router
+REPLICAS     ?= 2
+ROUTER_PORT  ?= 8090
+ROUTER_POLICY ?= cache_aware
 PROMPT ?= The capital of France is
 
 # The environment is rebuilt only when what it is made from changes.
 ENV_INPUTS := requirements.txt pyproject.toml $(wildcard clients/pyproject.toml)
 ENV_STAMP  := $(VENV)/.installed-$(shell cat $(ENV_INPUTS) | sha1sum | cut -c1-12)
 
-.PHONY: env model serve test clean
+.PHONY: env model serve replicas test clean
 .DEFAULT_GOAL := serve
 
 env: $(ENV_STAMP) $(BIN)/helm
@@ -23,7 +28,7 @@ $(ENV_STAMP): $(ENV_INPUTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -r requirements.txt
 	$(BIN)/python -m pip install -q -e .
-	if [ -f clients/pyproject.toml ]; then $(BIN)/python -m pip install -q -e clients/; fi
+	if [ -f clients/pyproject.toml ]; then $(BIN)/python -m pip install -q -e "clients/[openai,test]"; fi
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -43,7 +48,9 @@ model: env
 serve: env model
 	@$(BIN)/radixlm-serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 	    --metrics-port $(METRICS_PORT) & server=$$!; \
-	trap 'kill $$server 2>/dev/null; wait $$server' INT TERM; \
+	$(BIN)/radixlm-openai --grpc-url localhost:$(GRPC_PORT) --port $(OPENAI_PORT) \
+	    --log-level warning & openai=$$!; \
+	trap 'kill $$openai $$server 2>/dev/null; wait $$server' INT TERM; \
 	for i in $$(seq 600); do \
 	    curl -sf localhost:$(HTTP_PORT)/v2/health/ready >/dev/null && break; \
 	    kill -0 $$server 2>/dev/null || exit 1; sleep 0.5; \
@@ -52,8 +59,13 @@ serve: env model
 	curl -sN -X POST localhost:$(HTTP_PORT)/v2/models/llm/generate_stream \
 	    -d '{"text_input": "$(PROMPT)", "stream": true, "sampling_parameters": "{\"max_tokens\": 24, \"temperature\": 0}"}' \
 	    | awk -F'"text_output":"' '/^data:/ { sub(/"}$$/, "", $$2); printf "%s", $$2; fflush() }'; \
-	echo; echo "== serving: HTTP :$(HTTP_PORT)  gRPC :$(GRPC_PORT)  metrics :$(METRICS_PORT)  (Ctrl-C stops)"; \
+	echo; echo "== serving: HTTP :$(HTTP_PORT)  gRPC :$(GRPC_PORT)  metrics :$(METRICS_PORT)  OpenAI :$(OPENAI_PORT)/v1  (Ctrl-C stops)"; \
 	wait $$server
+
+# The router (sglang-router) on ROUTER_PORT speaks the OpenAI API; Ctrl-C stops everything.
+replicas: env model
+	$(BIN)/python tools/replicas.py --replicas $(REPLICAS) --port $(ROUTER_PORT) \
+	    --policy $(ROUTER_POLICY)
 
 test: env model
 	$(BIN)/pytest -q tests/

@@ -2,7 +2,11 @@
 in tests), and histograms written as counters for an API without native ones."""
 from __future__ import annotations
 
+import logging
 from typing import Protocol, Sequence
+
+log = logging.getLogger("radixlm.metrics")
+
 
 class Counter(Protocol):
     def increment(self, value: float) -> None: ...
@@ -61,3 +65,13 @@ def native_or_counter_histogram(factory: MetricFactory, name: str, description: 
         return factory.histogram(name, description, labels, buckets)
     except NotImplementedError:
         return CounterHistogram(factory, name, description, labels, buckets)
+
+
+def send_update(update, value: float) -> bool:
+    """One metric update; a failing one (an IPC error) costs that update only."""
+    try:
+        update(value)
+        return True
+    except Exception as exc:  # noqa: BLE001 - metrics must never take the model down
+        log.warning("a metric update failed: %s", exc)
+        return False

@@ -21,7 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from backend.metric_types import MetricFactory, native_or_counter_histogram
+from backend.host_tier_metrics import (CACHED_BY_TIER, HOST_CACHE_TOKENS,  # noqa: F401
+                                       HOST_LOAD_SECONDS, HOST_LOADS, KV_TRANSFER_BYTES,
+                                       HostTierMetrics)
+from backend.metric_types import (Counter, MetricFactory, native_or_counter_histogram,
+                                  send_update)
 from backend.vllm_metrics import VllmSeries
 from backend.vllm_metrics import gauge_values as vllm_gauge_values
 
@@ -107,6 +111,8 @@ class EngineMetrics:
                           for reason in FINISH_REASONS}
         self._gauges = {name: factory.gauge(name, text, dict(labels))
                         for name, text in _GAUGES.items()} if gauges else {}
+        # engine-wide like the gauges: one instance of a shared engine reports them
+        self._host_tier = HostTierMetrics(factory, labels) if gauges else None
         self._histograms = {key: native_or_counter_histogram(factory, name, text, dict(labels),
                                                              buckets)
                             for key, (name, text, buckets) in _HISTOGRAMS.items()}
@@ -166,6 +172,7 @@ class EngineMetrics:
             values.update(vllm_gauge_values(stats))
         with self._lock:
             self._gauge_values = values
+        self._host_tier.observe(stats)
 
     # -- the publisher thread, and a sender thread before each final response
     def flush(self) -> None:
@@ -190,23 +197,25 @@ class EngineMetrics:
                 reasons[f.reason] = reasons.get(f.reason, 0) + 1
             for name, total in totals.items():
                 if total:
-                    _send(self._counters[name].increment, total)
+                    send_update(self._counters[name].increment, total)
             for reason, count in reasons.items():
-                _send(self._request_counter(reason).increment, count)
+                send_update(self._request_counter(reason).increment, count)
             for f in finished:
                 if f.reason == "error":
                     continue
                 for key, value in f.timings.items():
                     if key in self._histograms:
-                        _send(self._histograms[key].observe, value)
+                        send_update(self._histograms[key].observe, value)
         changed = {name: value for name, value in (gauges or {}).items()
                    if self._sent_gauges.get(name) != value}
         for name, value in changed.items():
-            if name in self._gauges and _send(self._gauges[name].set, value):
+            if name in self._gauges and send_update(self._gauges[name].set, value):
                 self._sent_gauges[name] = value
         if vllm is not None:
-            sent = self._vllm.publish(vllm, changed, _send)
+            sent = self._vllm.publish(vllm, changed, send_update)
             self._sent_gauges.update(sent)
+        if self._host_tier is not None:
+            self._host_tier.flush()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Publish what is left and stop the thread. Drops the metric objects (Triton
@@ -219,6 +228,7 @@ class EngineMetrics:
             self._flush_safely()
         self._counters, self._requests, self._gauges, self._histograms = {}, {}, {}, {}
         self._vllm = None
+        self._host_tier = None
         self._factory = None
 
     def _publish_loop(self) -> None:
@@ -238,16 +248,6 @@ class EngineMetrics:
             self._requests[reason] = self._factory.counter(
                 REQUESTS, _REQUESTS_TEXT, {**self._labels, "finish_reason": reason})
         return self._requests[reason]
-
-
-def _send(update, value: float) -> bool:
-    """One metric update; a failing one (an IPC error) costs that update only."""
-    try:
-        update(value)
-        return True
-    except Exception as exc:
-        log.warning("a metric update failed: %s", exc)
-        return False
 
 
 def gauge_values(stats: Mapping[str, Any]) -> dict[str, float]:

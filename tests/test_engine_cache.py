@@ -60,8 +60,10 @@ def test_n_samples_share_one_prefill(model):
 
 
 def test_cached_count_after_eviction(model):
-    # room for about two prompts' KV: serving others evicts the first prompt's prefix
-    engine = make_engine(model, max_total_tokens=64, max_prefill_tokens=64)
+    # room for about two prompts' KV: serving others evicts the first prompt's prefix (LRU,
+    # no host tier to keep it in)
+    engine = make_engine(model, max_total_tokens=64, max_prefill_tokens=64,
+                         radix_eviction_policy="lru", host_cache_ratio=0)
     a, b, c = random_prompts(3, engine.runner.vocab_size, seed=5, min_len=25, max_len=25)
     _one(engine, a, max_new_tokens=2)
     _one(engine, b, max_new_tokens=2)

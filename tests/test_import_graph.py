@@ -97,9 +97,11 @@ def test_the_layers_point_one_way():
     for module in core:  # the engine knows nothing of the serving layer or Triton
         assert all(dep.startswith("backend.core") for dep in graph[module]), module
     policy = ["backend.core.scheduler", "backend.core.radix_cache", "backend.core.request",
-              "backend.core.kv_allocator"]
+              "backend.core.kv_allocator", "backend.core.radix_node", "backend.core.tiers",
+              "backend.core.eviction", "backend.core.reuse_model", "backend.core.host_tier"]
     device = {"backend.core.model_runner", "backend.core.forward_step", "backend.core.memory_pool",
-              "backend.core.transfer", "backend.core.sampling", "backend.core.engine"}
+              "backend.core.transfer", "backend.core.sampling", "backend.core.engine",
+              "backend.core.host_memory"}
     for module in policy:
         assert not graph[module] & device, (module, graph[module] & device)
     sources = "\n".join(p.read_text() for p in (ROOT / "clients").rglob("*.py"))
@@ -113,7 +115,8 @@ def test_no_core_module_imports_triton_python_backend_utils():
 
 @pytest.mark.parametrize("modules", [
     "backend.core.scheduler backend.core.radix_cache backend.core.request "
-    "backend.core.kv_allocator backend.core.groups",
+    "backend.core.kv_allocator backend.core.groups backend.core.eviction "
+    "backend.core.tiers backend.core.host_tier backend.core.reuse_model",
     "backend.core.detokenizer",
     "backend.wire backend.engine_protocol backend.runtime_dir",
 ])

@@ -22,9 +22,12 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 COUNTERS = ("radixlm_prompt_tokens_total", "radixlm_generation_tokens_total",
-            "radixlm_cached_prompt_tokens_total", "radixlm_requests_total")
+            "radixlm_cached_prompt_tokens_total", "radixlm_requests_total",
+            "radixlm_cached_prompt_tokens_by_tier_total", "radixlm_kv_transfer_bytes_total",
+            "radixlm_host_cache_loads_total", "radixlm_host_cache_load_seconds_total")
 GAUGES = ("radixlm_num_requests_running", "radixlm_num_requests_waiting",
-          "radixlm_kv_cache_usage_ratio", "radixlm_radix_cache_tokens")
+          "radixlm_kv_cache_usage_ratio", "radixlm_radix_cache_tokens",
+          "radixlm_host_cache_tokens")
 HISTOGRAMS = ("radixlm_time_to_first_token_seconds", "radixlm_time_per_output_token_seconds",
               "radixlm_e2e_request_latency_seconds", "radixlm_queue_time_seconds")
 

@@ -1,7 +1,10 @@
-"""RadixCache specs: prefix matching, edge splitting, slot ownership, pinning, LRU eviction,
-and the cache-off baseline. Each test builds its own small pool so slot numbers are exact."""
+"""RadixCache specs: prefix matching, edge splitting, slot ownership, pinning, LRU eviction
+(whole edges, least recently matched first), and the cache-off baseline. Each test builds
+its own small pool so slot numbers are exact. The adaptive policy and the host tier have
+their own specs (test_eviction_policy.py, test_host_tier.py)."""
 from __future__ import annotations
 
+from backend.core.eviction import LRUPolicy
 from backend.core.kv_allocator import KVSlotAllocator
 from backend.core.radix_cache import NoCache, RadixCache
 
@@ -11,7 +14,7 @@ def _pool(size: int) -> KVSlotAllocator:
 
 
 def _cache(size: int = 32) -> RadixCache:
-    return RadixCache(_pool(size))
+    return RadixCache(_pool(size), LRUPolicy())
 
 
 def _put(cache: RadixCache, tokens: list[int]) -> list[int]:

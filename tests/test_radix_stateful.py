@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from backend.core.eviction import LRUPolicy
 from backend.core.kv_allocator import KVSlotAllocator
 from backend.core.radix_cache import RadixCache
 
@@ -53,7 +54,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool = KVSlotAllocator(POOL_SIZE)
-        self.cache = RadixCache(self.pool)
+        self.cache = RadixCache(self.pool, LRUPolicy())
         # reference model
         self.slot: dict[Prefix, int] = {}  # cached prefix -> slot of its last token
         self.stamp: dict[Prefix, int] = {}  # cached prefix -> time of last walk through it

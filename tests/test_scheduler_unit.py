@@ -149,8 +149,8 @@ def test_a_full_pool_is_not_walked_for_leaves_every_decode_step(monkeypatch):
         slots.free(taken[:cache.insert(seq, taken)])  # what was there stays the tree's
         seqs.append(seq)
     walks = []
-    leaves = cache._leaves
-    monkeypatch.setattr(cache, "_leaves", lambda: walks.append(1) or leaves())
+    survey = cache.tiers._survey
+    monkeypatch.setattr(cache.tiers, "_survey", lambda: walks.append(1) or survey())
     taken = []
     for _ in range(100):
         assert s.can_fit(8)

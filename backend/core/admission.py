@@ -29,8 +29,9 @@ def shares_uncached(ids: list[int], cached: int, others: list[list[int]]) -> boo
 def admission_order(waiting: list[Req], cache: RadixCache, config: EngineConfig) -> list[Req]:
     if config.schedule_policy == "fcfs" or not cache.enabled or len(waiting) > LPM_MAX_QUEUE:
         return sorted(waiting, key=lambda r: r.arrival)
-    for req in waiting:
-        req.cached_match_len = len(cache.match_prefix(req.fill_ids[:req.max_match_len()]).kv_indices)
+    for req in waiting:  # a host-tier hit saves the compute as a device hit does
+        match = cache.match_prefix(req.fill_ids[:req.max_match_len()])
+        req.cached_match_len = len(match.kv_indices) + match.host_len
     bound = config.starvation_bound
     starved = [r for r in waiting if r.times_passed_over >= bound]
     rest = [r for r in waiting if r.times_passed_over < bound]

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .limits import RequestLimits
+if TYPE_CHECKING:
+    from .limits import RequestLimits
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+RADIX_EVICTION_POLICIES = ("adaptive", "lru")  # see eviction.py
 DTYPES = ("float32", "float16", "bfloat16")
 # the largest decode batch captured by default (start-up time grows with each size)
 DEFAULT_GRAPH_BATCH_LIMIT = 512
@@ -41,6 +44,16 @@ class EngineConfig:
     starvation_bound: int = 8  # how many steps a waiting request may be passed over
     new_token_ratio: float = 0.4  # share of max_new_tokens reserved for running decodes
     enable_mixed_batch: bool = True  # decode tokens ride along with prefill chunks
+
+    # radix cache
+    # which cached prefixes go first when room is needed (eviction.py): "adaptive"
+    # (frequency, recency, recompute cost; resists cycles and scans) or "lru"
+    radix_eviction_policy: str = "adaptive"
+    # host-memory tier for KV evicted from the device, loaded back on a hit instead of
+    # recomputed: host_cache_tokens when set, else host_cache_ratio x the device KV pool
+    # (0: no host tier); at most a quarter of the host memory free at start-up
+    host_cache_ratio: float = 2.0
+    host_cache_tokens: int | None = None
 
     # GPU speed features (no-ops on CPU)
     attention_backend: str = "auto"  # "torch", "triton" or "auto"
@@ -93,6 +106,13 @@ class EngineConfig:
             raise ValueError("cuda_graph_max_batch must be at least 1 (or None)")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be >= 0 (0: no extend graphs)")
+        if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
+            raise ValueError(f"radix_eviction_policy must be one of {RADIX_EVICTION_POLICIES}, "
+                             f"got {self.radix_eviction_policy!r}")
+        if self.host_cache_ratio < 0:
+            raise ValueError("host_cache_ratio must be >= 0 (0: no host tier)")
+        if self.host_cache_tokens is not None and self.host_cache_tokens < 0:
+            raise ValueError("host_cache_tokens must be >= 0 (0: no host tier)")
         if self.starvation_bound < 0:
             raise ValueError("starvation_bound must be >= 0")
         if self.load_format not in ("auto", "dummy"):
@@ -107,6 +127,10 @@ class EngineConfig:
 
     @property
     def limits(self) -> RequestLimits:
+        # imported here: this module stays loadable on its own (the chart's tests load
+        # it by path to check its fields), and limits.py imports the sampling types
+        from .limits import RequestLimits
+
         return RequestLimits(max_tokens=self.max_tokens_limit, max_n=self.max_n,
                              max_choices=self.max_choices,
                              max_stop_strings=self.max_stop_strings,

@@ -20,9 +20,12 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from .config import EngineConfig
+from .eviction import make_policy
 from .forward_step import ForwardStep, InFlight
 from .groups import Group, RequestGroups
 from .handle import GenerateRequest, OutputBatch, Submission
+from .host_memory import KVMover
+from .host_tier import HostBlockAllocator
 from .inbox import AbortGroup, Inbox, NewGroup, Refusal
 from .intake import GrammarProvider, RequestIntake
 from .kv_allocator import KVSlotAllocator, TableRowAllocator
@@ -47,7 +50,8 @@ class Engine:
         self.context_len = runner.context_len
         self.slots = KVSlotAllocator(runner.kv_pool.size)
         self.rows = TableRowAllocator(runner.req_pool.num_rows)
-        self.cache = RadixCache(self.slots) if config.enable_radix_cache else NoCache(self.slots)
+        self.cache = self._make_cache()
+        self.kv_mover = KVMover(runner.kv_pool, runner.host_pool, runner.device)
         self.scheduler = Scheduler(config, self.slots, self.rows, self.cache, self.context_len)
         self.eos_token_ids = set(eos_token_ids(config.model_path, self.tokenizer))
         self.grammar = GrammarProvider(self.tokenizer, runner.vocab_size,
@@ -63,6 +67,15 @@ class Engine:
                                        self.intake.decoder)
         self._inflight: InFlight | None = None
         self._inbox = Inbox()
+
+    def _make_cache(self) -> RadixCache:
+        if not self.config.enable_radix_cache:
+            return NoCache(self.slots)
+        host = self.runner.host_pool
+        host_blocks = HostBlockAllocator(host.size) if host is not None else None
+        policy = make_policy(self.config.radix_eviction_policy,
+                             self.slots.size + (host.size if host is not None else 0))
+        return RadixCache(self.slots, policy, host_blocks)
 
     # ------------------------------------------------------------------ submission
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None,
@@ -144,7 +157,8 @@ class Engine:
         return self._inflight is not None
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or self._inflight is not None or self.scheduler.has_work()
+        return (bool(self._inbox) or self._inflight is not None or self.scheduler.has_work()
+                or self.kv_mover.loads_pending)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         return self._inbox.wait(self.has_work, timeout)
@@ -158,6 +172,8 @@ class Engine:
         runs on the device while the host reads and accounts for the previous one;
         otherwise each step is launched and read before returning."""
         outputs = self._drain()
+        for ticket in self.kv_mover.finished_loads():
+            self.scheduler.load_done(ticket)
         if self._inflight is not None and not self._can_overlap():
             outputs += self._postprocess()
         started = time.perf_counter()
@@ -166,11 +182,14 @@ class Engine:
         self.counters.steps += bool(plan.items)
         for req in plan.out_of_room:
             outputs += self.processor.finish(req, "length")
+        self.kv_mover.run(plan.host_copies)  # before the forward that may reuse saved slots
         launched = self.forward_step.launch(plan) if plan.items else None
         outputs += self._postprocess()
         self._inflight = launched
         if not self.config.overlap:
             outputs += self._postprocess()
+        if launched is None and self.kv_mover.loads_pending:
+            self.kv_mover.wait_for_load()  # only loads are left to wait for: no busy loop
         return outputs
 
     def _drain(self) -> list[StepOutput]:
@@ -245,11 +264,28 @@ class Engine:
             "num_retractions": self.scheduler.num_retractions,
             "context_len": self.context_len,
             **dataclasses.asdict(self.counters),
+            **self._host_tier_stats(),
+        }
+
+    def _host_tier_stats(self) -> dict:
+        """The host tier's size, use and traffic (totals since start)."""
+        host, mover = self.cache.host, self.kv_mover
+        return {
+            "host_cache_tokens_total": host.size if host is not None else 0,
+            "host_cache_tokens": self.cache.host_size,
+            "host_loads_in_flight": self.cache.tiers.loads_in_flight,
+            "host_saved_tokens": self.cache.tiers.saved_tokens,
+            "host_loaded_tokens": self.cache.tiers.loaded_tokens,
+            "kv_bytes_to_host": mover.bytes_to_host,
+            "kv_bytes_to_device": mover.bytes_to_device,
+            "host_loads": mover.loads,
+            "host_load_seconds": mover.load_seconds,
         }
 
     def check_integrity(self) -> None:
         """Every KV slot is exactly one of: free, in the radix tree, or owned by a running
-        request. Raises AssertionError on a leak or a double owner."""
+        request; every host block is free or in the tree. Raises AssertionError on a leak
+        or a double owner."""
         self.cache.check_integrity()
         slots = self.slots
         free, cached, owned = slots.free_slots(), self.cache.cached_slots(), self.scheduler.owned_slots()
@@ -257,7 +293,7 @@ class Engine:
         assert every == list(range(1, slots.size + 1)), (
             f"slot accounting broken: {len(free)} free + {len(cached)} cached + {len(owned)} owned "
             f"!= {slots.size} (or duplicates)")
-        if not self.scheduler.running:
+        if not self.scheduler.running and not self.cache.tiers.loads_in_flight:
             assert self.cache.protected_size == 0, "tree nodes still locked with nothing running"
             assert self.rows.available_size() == self.rows.num_rows - 1
 

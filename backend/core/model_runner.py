@@ -11,6 +11,7 @@ from safetensors import safe_open
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
 from .layers.attention import AttentionBackend, TorchAttention
+from .host_memory import HostKVPool
 from .memory_pool import KVPool, ReqToTokenPool
 from .models.registry import context_limit, model_class
 from .transfer import HostToDevice
@@ -35,6 +36,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
         self.kv_pool = KVPool(self._kv_pool_size(), hf_config.num_hidden_layers,
                               self.num_kv_heads, self.head_dim, self.dtype, str(self.device))
+        self.host_pool = self._make_host_pool()
         self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1,
                                        str(self.device))
         self.attn = self._make_attention()
@@ -98,6 +100,18 @@ class ModelRunner:
             raise ValueError(f"only {size} KV tokens fit in memory; need >= {self.context_len}")
         logger.info("KV pool: %d tokens (%.1f GiB)", size, size * per_token / 2**30)
         return size
+
+    def _make_host_pool(self) -> HostKVPool | None:
+        """The host-memory tier's KV (None without one): pinned when the pool is on a GPU,
+        so copies to and from it run asynchronously."""
+        per_token = KVPool.bytes_per_token(self.hf_config.num_hidden_layers, self.num_kv_heads,
+                                           self.head_dim, self.dtype)
+        size = HostKVPool.tokens_for(self.config, self.kv_pool.size, per_token)
+        if size == 0:
+            return None
+        logger.info("host KV tier: %d tokens (%.1f GiB)", size, size * per_token / 2**30)
+        return HostKVPool(size, self.hf_config.num_hidden_layers, self.num_kv_heads,
+                          self.head_dim, self.dtype, pin=self.device.type == "cuda")
 
     def _make_attention(self) -> AttentionBackend:
         choice = self.config.attention_backend

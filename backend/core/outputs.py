@@ -88,7 +88,8 @@ class EngineCounters:
     """Totals over finished requests and steps (``Engine.stats()`` reports them)."""
 
     prompt_tokens: int = 0
-    cache_hit_tokens: int = 0
+    cache_hit_tokens: int = 0  # from either tier
+    cache_hit_tokens_host: int = 0  # of those, loaded from the host tier
     generated_tokens: int = 0
     finished_requests: int = 0
     steps: int = 0

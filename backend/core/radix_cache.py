@@ -1,69 +1,72 @@
-"""RadixAttention's prefix cache: a token-granular radix tree over KV slots.
+"""RadixAttention's prefix cache: a token-granular radix tree over KV in two tiers.
 
-Each edge holds a run of token ids and the KV slot of each of those tokens. A node's
-``lock_ref`` counts the running requests whose matched prefix passes through it; only
-nodes with ``lock_ref == 0`` can be evicted, leaves first, least recently used first.
-A parent becomes evictable when its last child is gone, so shared trunks outlive the
-branches that hang off them.
+Each edge holds a run of token ids and where the KV of those tokens lives: device slots
+(``value``), host blocks (``host``), or both. A node's ``lock_ref`` counts the running
+requests (and in-flight loads) whose path passes through it; only unlocked nodes can
+leave a tier, leaves of that tier first, in the order of the eviction policy
+(``eviction.py``). A parent becomes a candidate when its last child of the tier is gone,
+so shared trunks outlive the branches that hang off them.
 
-Slot accounting (checked by ``check_integrity``)::
+Tiers (``tiers.py`` moves KV between them)::
+
+    device-resident nodes form a subtree from the root (a node on the device has its
+    parent on the device), so a match is   [ device part | host-only part ]
+    device eviction: a device leaf's KV goes to the host (a HostSave), or is dropped
+    host eviction:   a node's host copy is dropped; a host-only leaf leaves the tree
+    host hit:        the matched host-only nodes get device slots and a HostLoad; they
+                     stay locked ("loading") until the device side reports it done
+
+Slot and block accounting (checked by ``check_integrity`` and ``Engine.check_integrity``)::
 
     slots.size == free slots + slots in the tree + slots owned by running requests
                                 (evictable + protected)   (not yet inserted)
+    host.size  == free host blocks + host blocks in the tree
 
 ``NoCache`` keeps the same interface with an always-empty tree (the cache-off baseline).
 """
 from __future__ import annotations
 
-import heapq
 import itertools
-from typing import NamedTuple
 
+from .eviction import EvictionPolicy, LRUPolicy, ghost_key
+from .host_tier import HostBlockAllocator, HostCopy
 from .kv_allocator import KVSlotAllocator
+from .radix_node import MatchResult, TreeNode
+from .tiers import TierMover
 
-
-class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
-
-    def __init__(self, key: list[int], value: list[int], parent: "TreeNode | None",
-                 last_access: int) -> None:
-        self.key = key  # token ids on the edge from parent to this node
-        self.value = value  # KV slot of each token of ``key``
-        self.children: dict[int, TreeNode] = {}
-        self.parent = parent
-        self.lock_ref = 0
-        self.last_access = last_access  # the cache's LRU clock when last matched
-
-    def __lt__(self, other: "TreeNode") -> bool:  # for heapq
-        return self.last_access < other.last_access
-
-
-class MatchResult(NamedTuple):
-    kv_indices: list[int]  # slots of the matched prefix, one per token
-    last_node: TreeNode  # deepest node of the match; lock it while the prefix is in use
+__all__ = ["MatchResult", "NoCache", "RadixCache", "TreeNode", "common_prefix_len"]
 
 
 class RadixCache:
-    def __init__(self, slots: KVSlotAllocator) -> None:
+    def __init__(self, slots: KVSlotAllocator, policy: EvictionPolicy | None = None,
+                 host: HostBlockAllocator | None = None) -> None:
         self.slots = slots  # evicted slots go back here
-        # monotonic LRU timestamps; ties broken by creation order
+        self.policy = policy or LRUPolicy()
+        self.host = host if host is not None and host.size > 0 else None
+        # recency: monotonic, one tick per node walked; use clock: one tick per request
         self._clock = itertools.count()
+        self.use_clock = 0
         self.root = TreeNode([], [], None, next(self._clock))
         self.root.lock_ref = 1  # the root is never evicted
-        self.evictable_size = 0  # tokens in unlocked nodes
-        self.protected_size = 0  # tokens in locked nodes
+        self.evictable_size = 0  # device tokens in unlocked nodes
+        self.protected_size = 0  # device tokens in locked nodes
+        self.host_size = 0  # tokens with a host copy
+        self.tiers = TierMover(self)
 
     @property
     def enabled(self) -> bool:
         return True
 
     def total_size(self) -> int:
+        """Tokens on the device."""
         return self.evictable_size + self.protected_size
 
     # ---------------------------------------------------------------- match / insert
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
-        """Longest cached prefix of ``token_ids``; splits an edge if the match ends inside it."""
+        """Longest cached prefix of ``token_ids`` (either tier); splits an edge if the
+        match ends inside it."""
         node, matched = self.root, []
+        device_node, host_node, host_len = node, None, 0
         node.last_access = next(self._clock)
         i = 0
         while i < len(token_ids):
@@ -73,49 +76,107 @@ class RadixCache:
             n = common_prefix_len(child.key, token_ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
-            matched.extend(child.value)
             child.last_access = next(self._clock)
+            if child.value:
+                matched.extend(child.value)
+                device_node = child
+            else:
+                host_len += n
+                host_node = child
             node = child
             i += n
-        return MatchResult(matched, node)
+        return MatchResult(matched, device_node, host_len, host_node)
+
+    def prefix_len(self, token_ids: list[int]) -> int:
+        """How many leading tokens are cached (either tier); changes nothing."""
+        node, i = self.root, 0
+        while i < len(token_ids):
+            child = node.children.get(token_ids[i])
+            if child is None:
+                break
+            n = common_prefix_len(child.key, token_ids, i)
+            i += n
+            if n < len(child.key):
+                break
+            node = child
+        return i
+
+    def record_use(self, node: TreeNode) -> None:
+        """A request uses the cached path ending at ``node`` (call once per admission):
+        the policy's statistics learn from it. The use clock counts reuses only (a hit,
+        or a dropped prefix coming back), so one-off prompts do not age what is cached."""
+        if node is self.root:
+            return
+        self.use_clock += 1
+        now = self.use_clock
+        while node is not self.root:
+            self.policy.on_use(node, now)
+            node = node.parent
 
     def insert(self, token_ids: list[int], kv_indices: list[int]) -> int:
-        """Insert a sequence and its slots; returns how many leading tokens were already
-        cached. The caller owns (and must free) its own slots for those tokens, which the
-        tree does not take."""
+        """Insert a sequence and its device slots; returns how many leading tokens were
+        already on the device. The caller owns (and must free) its own slots for those
+        tokens, which the tree does not take; the tree takes the rest (host-only nodes on
+        the path adopt the caller's slots: they are on both tiers again)."""
         assert len(token_ids) == len(kv_indices)
         node, i = self.root, 0
+        present = None
         node.last_access = next(self._clock)
         while i < len(token_ids):
             child = node.children.get(token_ids[i])
             if child is None:
-                leaf = TreeNode(list(token_ids[i:]), list(kv_indices[i:]), node, next(self._clock))
-                node.children[token_ids[i]] = leaf
-                self.evictable_size += len(leaf.key)
-                return i
+                self._new_leaf(node, token_ids, kv_indices, i)
+                return i if present is None else present
             n = common_prefix_len(child.key, token_ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = next(self._clock)
+            if not child.value:
+                present = i if present is None else present
+                self._set_device(child, list(kv_indices[i:i + n]))
             node = child
             i += n
-        return i
+        return i if present is None else present
+
+    def _new_leaf(self, parent: TreeNode, token_ids: list[int], kv_indices: list[int],
+                  i: int) -> None:
+        leaf = TreeNode(list(token_ids[i:]), list(kv_indices[i:]), parent, next(self._clock),
+                        depth=i)
+        parent.children[token_ids[i]] = leaf
+        self.evictable_size += len(leaf.key)
+        key = ghost_key(token_ids[:i], leaf.key, i)
+        if self.policy.knows(key):
+            self.use_clock += 1  # a dropped prefix is back: a reuse
+        self.policy.on_create(leaf, key, self.use_clock)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; returns the new upper node."""
-        upper = TreeNode(child.key[:n], child.value[:n], child.parent, child.last_access)
-        upper.lock_ref = child.lock_ref
+        upper = TreeNode(child.key[:n], child.value[:n], child.parent, child.last_access,
+                         child.depth)
+        upper.host = child.host[:n]
+        for attr in ("lock_ref", "uses", "last_use", "gap", "loading"):
+            setattr(upper, attr, getattr(child, attr))
         upper.children = {child.key[n]: child}
         child.parent.children[child.key[0]] = upper
         child.parent = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
+        child.host = child.host[n:]
+        child.depth += n
         return upper
+
+    def _set_device(self, node: TreeNode, slots: list[int]) -> None:
+        """A host-only node gets device slots (a load or an adoption)."""
+        node.value = slots
+        if node.lock_ref:
+            self.protected_size += len(slots)
+        else:
+            self.evictable_size += len(slots)
 
     # ---------------------------------------------------------------- pinning
     def lock(self, node: TreeNode) -> None:
         while node is not self.root:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.value:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
@@ -125,43 +186,46 @@ class RadixCache:
         while node is not self.root:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.value:
                 self.protected_size -= len(node.key)
                 self.evictable_size += len(node.key)
             node = node.parent
 
-    # ---------------------------------------------------------------- eviction
+    # ---------------------------------------------------------------- tiers
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` slots from unlocked leaves, LRU first (or as many
-        as are evictable). Returns the number freed."""
-        heap = [n for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            leaf = heapq.heappop(heap)
-            self.slots.free(leaf.value)
-            freed += len(leaf.value)
-            self.evictable_size -= len(leaf.key)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
-        return freed
+        """Free at least ``num_tokens`` device slots from unlocked device leaves, in the
+        policy's order (or as many as are evictable); with a host tier their KV moves
+        there when it ranks above what the host would give up. Returns the slots freed."""
+        return self.tiers.evict(num_tokens)
 
-    def _leaves(self) -> list[TreeNode]:
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            if not node.children and node is not self.root:
-                out.append(node)
-            stack.extend(node.children.values())
-        return out
+    def start_load(self, match: MatchResult, slots: list[int]) -> int:
+        """Give the host part of ``match`` (locked by the caller) the device ``slots``
+        and plan their load; returns its ticket (``finish_load`` when the device is done)."""
+        return self.tiers.start_load(match, slots)
+
+    def finish_load(self, ticket: int) -> None:
+        self.tiers.finish_load(ticket)
+
+    def is_ready(self, node: TreeNode) -> bool:
+        """Whether the KV of the path ending at ``node`` is all on the device (no load in
+        flight on it)."""
+        while node is not self.root:
+            if node.loading:
+                return False
+            node = node.parent
+        return True
+
+    def take_copies(self) -> list[HostCopy]:
+        """The copies planned since the last call, in the order they must run."""
+        return self.tiers.take_copies()
 
     def reset(self) -> None:
         for node in self._nodes():
             self.slots.free(node.value)
+            if node.host:
+                self.host.free(node.host)
         self.root.children = {}
-        self.evictable_size = self.protected_size = 0
+        self.evictable_size = self.protected_size = self.host_size = 0
 
     def _nodes(self) -> list[TreeNode]:
         out, stack = [], list(self.root.children.values())
@@ -175,23 +239,44 @@ class RadixCache:
     def cached_slots(self) -> list[int]:
         return [slot for node in self._nodes() for slot in node.value]
 
+    def cached_host_blocks(self) -> list[int]:
+        return [block for node in self._nodes() for block in node.host]
+
     def check_integrity(self) -> None:
-        evictable = protected = 0
+        evictable = protected = host = 0
         for node in self._nodes():
-            assert len(node.key) == len(node.value) > 0, "empty or ragged edge"
+            n = len(node.key)
+            assert n > 0, "empty edge"
+            assert len(node.value) in (0, n) and len(node.host) in (0, n), "ragged edge"
+            assert node.value or node.host, "a node with its KV nowhere"
+            assert self.host is not None or not node.host, "host blocks without a host tier"
             assert node.parent.children.get(node.key[0]) is node, "broken parent link"
+            assert not node.value or node.parent is self.root or node.parent.value, \
+                "a device node under a host-only node"
             child_locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= child_locks, "child locked more than its parent"
+            assert not node.loading or (node.value and node.host and node.lock_ref), \
+                "a loading node must be on both tiers and locked"
+            host += len(node.host)
+            if not node.value:
+                continue
             if node.lock_ref:
-                protected += len(node.key)
+                protected += n
             else:
-                evictable += len(node.key)
+                evictable += n
         assert evictable == self.evictable_size, f"evictable {evictable} != {self.evictable_size}"
         assert protected == self.protected_size, f"protected {protected} != {self.protected_size}"
+        assert host == self.host_size, f"host {host} != {self.host_size}"
+        if self.host is not None:
+            every = sorted(self.cached_host_blocks() + self.host.free_blocks())
+            assert every == list(range(self.host.size)), "host block accounting broken"
 
 
 class NoCache(RadixCache):
     """The cache-off baseline: nothing matches and nothing is kept."""
+
+    def __init__(self, slots: KVSlotAllocator) -> None:
+        super().__init__(slots)
 
     @property
     def enabled(self) -> bool:
@@ -199,6 +284,9 @@ class NoCache(RadixCache):
 
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
         return MatchResult([], self.root)
+
+    def prefix_len(self, token_ids: list[int]) -> int:
+        return 0
 
     def insert(self, token_ids: list[int], kv_indices: list[int]) -> int:
         return len(token_ids)  # "all present": the caller frees every slot it passed

@@ -75,7 +75,9 @@ class Req:
     tree_owned_len: int = 0  # leading kv_indices owned by the radix tree (locked via last_node)
     last_node: TreeNode | None = None
     req_pool_idx: int | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    num_cached_tokens: int = 0  # prompt tokens served from the cache (either tier) at first admission
+    num_host_cached_tokens: int = 0  # of those, the ones loaded from the host tier
+    waiting_load: bool = False  # admitted, its cached prefix still loading from the host
     admitted_once: bool = False
 
     # scheduling

@@ -12,7 +12,12 @@ under the prefill token budget, by policy: ``lpm`` (longest cached prefix first,
 requests passed over ``starvation_bound`` times served first) or ``fcfs``.
 
 Plain Python: slots and table rows are integers from ``kv_allocator``; where a request's
-tokens live goes to the device side as ``TableWrite`` records in the step's plan.
+tokens live goes to the device side as ``TableWrite`` records in the step's plan, and KV
+moving between the device and host tiers as ``HostSave``/``HostLoad`` records.
+
+A request whose cached prefix is partly on the host is admitted at once: its host part
+gets device slots and a load, and the request takes no step until the load is done
+(``waiting_load``), while the others keep stepping.
 """
 from __future__ import annotations
 
@@ -22,12 +27,13 @@ from typing import NamedTuple
 
 from .admission import admission_order, shares_uncached
 from .config import EngineConfig
+from .host_tier import HostCopy
 from .kv_allocator import KVSlotAllocator, TableRowAllocator
 from .radix_cache import RadixCache
 from .request import Req, ReqStatus
 
-# an eviction frees at least this share of the pool (1/EVICT_SHARE): least recently used
-# leaves that would soon go anyway
+# an eviction frees at least this share of the pool (1/EVICT_SHARE): the lowest-ranked
+# leaves, which would soon go anyway
 EVICT_SHARE = 256
 
 
@@ -58,6 +64,9 @@ class SchedulePlan:
     table_writes: list[TableWrite] = field(default_factory=list)
     # running requests that cannot grow (one alone fills the KV pool): to finish, "length"
     out_of_room: list[Req] = field(default_factory=list)
+    # copies between the device and host tiers, run in this order before this step's
+    # forward (also when there are no items)
+    host_copies: list[HostCopy] = field(default_factory=list)
 
 
 class Scheduler:
@@ -94,7 +103,11 @@ class Scheduler:
         writes = []
         if items:  # pending writes ride with the next launch
             writes, self._table_writes = self._table_writes, []
-        return SchedulePlan(items, writes, out_of_room)
+        return SchedulePlan(items, writes, out_of_room, self.cache.take_copies())
+
+    def load_done(self, ticket: int) -> None:
+        """The device side finished a host load: its nodes are usable."""
+        self.cache.finish_load(ticket)
 
     # ------------------------------------------------------------------ running
     def _schedule_running(self, out_of_room: list[Req]) -> tuple[list[ScheduledItem], int]:
@@ -106,6 +119,10 @@ class Scheduler:
         partial: list[Req] = []  # prompt (or forced) tokens left to compute
         ctx = self.context_len
         for r in self.running:
+            if r.waiting_load:
+                if not self.cache.is_ready(r.last_node):
+                    continue  # its prefix is still coming from the host
+                r.waiting_load = False
             n_in, n_out = len(r.origin_input_ids), len(r.output_ids)
             left = n_in + n_out - len(r.kv_indices)
             if left == 1:
@@ -165,18 +182,21 @@ class Scheduler:
             if not self.rows.can_alloc():
                 break
             match = self.cache.match_prefix(req.fill_ids[:req.max_match_len()])
-            if self.cache.enabled and shares_uncached(req.fill_ids, len(match.kv_indices),
-                                                      admitted_prompts):
+            cached = len(match.kv_indices) + match.host_len
+            if self.cache.enabled and shares_uncached(req.fill_ids, cached, admitted_prompts):
                 continue
-            self.cache.lock(match.last_node)
-            n = min(len(req.fill_ids) - len(match.kv_indices), budget)
-            if not self._can_admit(n):
-                self.cache.unlock(match.last_node)
+            self.cache.lock(match.deepest)
+            n = min(len(req.fill_ids) - cached, budget)
+            # loaded tokens need slots but no compute: they do not count against the budget
+            if not self._can_admit(n + match.host_len):
+                self.cache.unlock(match.deepest)
                 break  # head of line waits: skipping it would let small requests starve it
             self._admit(req, match)
-            items.append(self._extend(req, n))
             admitted_arrivals.append(req.arrival)
             admitted_prompts.append(req.fill_ids)
+            if req.waiting_load:
+                continue  # it steps once its load is done
+            items.append(self._extend(req, n))
             budget -= n
         if admitted_arrivals:
             latest = max(admitted_arrivals)
@@ -196,13 +216,24 @@ class Scheduler:
         return self.can_fit(n + reserve)
 
     def _admit(self, req: Req, match) -> None:
-        req.kv_indices = list(match.kv_indices)
-        req.tree_owned_len = len(match.kv_indices)
-        req.last_node = match.last_node
+        """Take the request in with its cached prefix (locked by the caller); a host part
+        gets device slots now and is loaded before the request steps."""
+        kv = list(match.kv_indices)
+        if match.host_len:
+            slots = self.take_slots(match.host_len)
+            self.cache.start_load(match, slots)
+            kv += slots
+        node = match.deepest
+        self.cache.record_use(node)
+        req.kv_indices = kv
+        req.tree_owned_len = len(kv)
+        req.last_node = node
+        req.waiting_load = not self.cache.is_ready(node)
         req.req_pool_idx = self.rows.alloc()
-        self._table_writes.append(TableWrite(req.req_pool_idx, 0, list(match.kv_indices)))
+        self._table_writes.append(TableWrite(req.req_pool_idx, 0, list(kv)))
         if not req.admitted_once:
             req.num_cached_tokens = req.tree_owned_len
+            req.num_host_cached_tokens = match.host_len
             req.admitted_once = True
         req.admit_time = time.monotonic()
         if req.first_admit_time is None:

@@ -157,6 +157,7 @@ class StepProcessor:
         c = self.counters
         c.prompt_tokens += len(r.origin_input_ids)
         c.cache_hit_tokens += r.num_cached_tokens
+        c.cache_hit_tokens_host += r.num_host_cached_tokens
         c.generated_tokens += len(r.output_ids)
         c.finished_requests += 1
         group_answer = self.groups.on_finished(r)

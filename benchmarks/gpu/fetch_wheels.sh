@@ -48,6 +48,10 @@ dl "$D/site" xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydan
 # Client side (bench_triton.py's process only). tritonclient 2.73's stubs need grpcio>=1.81.1
 # and protobuf>=6.33 (<7): carried so the machine's versions do not matter.
 dl "$D/client" tritonclient==2.73.0 grpcio==1.85.3 protobuf==6.33.6 python-rapidjson==1.25
+# radixlm-openai (bench_openai_overhead.py): FastAPI + uvicorn and what they need beyond the
+# site group's pydantic (fastapi 0.165: annotated-doc, anyio, opentelemetry-api, starlette).
+dl "$D/client" fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 anyio==4.16.0 h11==0.16.0 \
+   click==8.5.1 idna==3.20 annotated-doc==0.0.7 opentelemetry-api==1.45.2
 
 # The stub's Python must import numpy<2 (numpy 2 corrupts BYTES tensors in these stubs).
 dl "$D/stub" numpy==1.26.4

@@ -9,6 +9,12 @@
 #   triton     bench_triton.py: the engine behind tritonserver over gRPC streaming
 #   instances  the same with BENCH_INSTANCES (default "2 4") Triton instances of the model
 #              sharing one engine process
+#   cache      the two-tier radix cache: bench_cache_tiers.py (multi-turn chats with a
+#              working set 4x the GPU cache, host tier vs GPU-only LRU; load vs recompute
+#              by prefix length), then bench_engine's prefix and offline rows with the host
+#              tier on and off (same call otherwise)
+#   openai     bench_openai_overhead.py: 32 streams straight over gRPC against the same
+#              through radixlm-openai (SSE), one server (BENCH_OPENAI_MODEL, default llama-8b)
 #   report     report.py: docs/benchmarks/{README.md,*.png} from the published runs in
 #              docs/benchmarks/runs/ (run it here, after publish.py; see README.md)
 #
@@ -217,6 +223,34 @@ phase_instances() {  # the triton rows again with N model instances in front of 
   done
 }
 
+phase_cache() {  # per model: tiers bench (weight 5), then tier on and off (3 each)
+  local m b tier ratio left_after n=${#MODELS[@]} i=0
+  for m in "${MODELS[@]}"; do
+    i=$((i + 1)); left_after=$((11 * (n - i)))
+    b=$(share 5 $((left_after + 6)))
+    step "cache-tiers $m" "$b" "$PY" benchmarks/gpu/bench_cache_tiers.py --model "$S/$m" \
+      "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
+    for tier in on off; do
+      if [ "$tier" = on ]; then ratio=2; b=$(share 3 $((left_after + 3)))
+      else ratio=0; b=$(share 3 "$left_after"); fi
+      step "tier-$tier $m" "$b" "$PY" benchmarks/gpu/bench_engine.py --model "$S/$m" \
+        --modes prefix,offline --engine-arg "host_cache_ratio=$ratio" --config-name "tier-$tier" \
+        "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
+    done
+  done
+}
+
+phase_openai() {  # the OpenAI layer's cost against direct gRPC streaming
+  local m="${BENCH_OPENAI_MODEL:-llama-8b}" b
+  [ "$QUICK" = 1 ] && m=default
+  b=$(share 1 0)
+  PYTHONPATH="$CLIENT_PYTHONPATH" step "openai $m" "$b" "$PY" benchmarks/gpu/bench_openai_overhead.py \
+    --model "$S/$m" "${DEV[@]}" "${R[@]}" --budget-s "$b" \
+    --server-python "$RADIXLM_SERVER_PYTHON" --openai-python "$PY" \
+    --server-pidfile "$SERVER_PIDFILE"
+  kill_leftover_server
+}
+
 for PHASE in "$@"; do
   echo "=== phase $PHASE at +$((SECONDS - T0))s ($(left)s left)"
   case "$PHASE" in
@@ -225,8 +259,10 @@ for PHASE in "$@"; do
     baselines) phase_baselines ;;
     triton) phase_triton ;;
     instances) phase_instances ;;
+    cache) phase_cache ;;
+    openai) phase_openai ;;
     report) "${BENCH_REPORT_PY:-$PY}" benchmarks/gpu/report.py ;;
-    *) echo "unknown phase $PHASE (check engine baselines triton report)" ;;
+    *) echo "unknown phase $PHASE (check engine baselines triton instances cache openai report)" ;;
   esac
 done
 kill_leftover_server

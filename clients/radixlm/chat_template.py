@@ -8,6 +8,7 @@ conversation. The pieces are found by rendering conversations that end in a sent
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -54,6 +55,16 @@ class ChatTemplate:
             parts.append(self.prefix("assistant"))
         return "".join(parts)
 
+    def render_jinja(self, messages: list[dict], add_generation_prompt: bool = True,
+                     eos_token: str = "", **context) -> str:
+        """Render the template itself, as Hugging Face's ``apply_chat_template`` does:
+        messages may carry any role and fields the template knows (``tool_calls``,
+        ``tool_call_id``), and ``context`` passes e.g. ``tools``. Raises
+        ``jinja2.TemplateError`` when the template refuses the conversation."""
+        return _compile(self.source).render(messages=messages,
+                                            add_generation_prompt=add_generation_prompt,
+                                            bos_token="", eos_token=eos_token, **context)
+
     @classmethod
     def chatml(cls) -> "ChatTemplate":
         return cls.from_jinja(CHATML_TEMPLATE)
@@ -68,12 +79,8 @@ class ChatTemplate:
         """
         if not source:
             return cls.from_jinja(CHATML_TEMPLATE)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            template = env.from_string(source)
+            template = _compile(source)
 
             def render(messages, add_generation_prompt=False):
                 return template.render(messages=messages, bos_token=bos_token,
@@ -103,6 +110,16 @@ class ChatTemplate:
             raise ValueError("template renders a first user turn differently")
         preamble = lone_user[: len(lone_user) - len(prefixes["user"])]
         return cls(prefixes=prefixes, suffixes=suffixes, preamble=preamble, source=source)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    """Templates are compiled once per source (rendering is cheap, compiling is not)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 def _check_role(role: str) -> str:

@@ -1,0 +1,104 @@
+"""What the adaptive eviction policy learns from traffic (plain Python, no state shared
+between caches): how gaps between uses are distributed, and how likely a prefix used k
+times is to be used again.
+
+Gaps are learned *relative to each prefix's own expected gap* (``x = gap / expected``),
+so one histogram describes the shape of reuse whatever the prefix's rate: strictly
+periodic traffic (cycles) puts all mass at x = 1, memoryless traffic (independent
+requests to popular prefixes) spreads it as an exponential, chats with think times lie
+in between. From the shape, a prefix that has waited ``u`` expected gaps since its last
+use has ``survival(u)`` = P(X > u) and an expected remaining wait ``E[X - u | X > u]``:
+shrinking with u for periodic reuse (the prefix is due), constant for memoryless reuse.
+"""
+from __future__ import annotations
+
+import math
+
+# relative gaps are binned up to this many expected gaps; beyond is one overflow bin
+MAX_RATIO = 8.0
+NUM_BINS = 32
+# observations before the counts are halved (old traffic fades)
+HISTOGRAM_HORIZON = 2048
+# tables are rebuilt after this many new observations
+REFRESH_EVERY = 8
+# the prior: this many observations spread as an exponential (memoryless reuse)
+PRIOR_WEIGHT = 8.0
+
+
+class GapShape:
+    """Histogram of relative gaps, with the tail statistics eviction reads."""
+
+    def __init__(self) -> None:
+        self.width = MAX_RATIO / NUM_BINS
+        self.counts = [0.0] * (NUM_BINS + 1)  # the last bin: x >= MAX_RATIO
+        self.sums = [0.0] * (NUM_BINS + 1)
+        for i in range(NUM_BINS + 1):  # exponential prior: mass e^-lo - e^-hi per bin
+            lo = i * self.width
+            hi = (i + 1) * self.width if i < NUM_BINS else math.inf
+            mass = PRIOR_WEIGHT * (math.exp(-lo) - math.exp(-hi))
+            self.counts[i] = mass
+            self.sums[i] = mass * (lo + 1.0 if hi == math.inf else (lo + hi) / 2)
+        self._pending = 0
+        self._survival: list[float] = []
+        self._mean_above: list[float] = []
+        self._refresh()
+
+    def add(self, ratio: float) -> None:
+        i = min(int(ratio / self.width), NUM_BINS)
+        self.counts[i] += 1.0
+        self.sums[i] += ratio
+        self._pending += 1
+        if sum(self.counts) > HISTOGRAM_HORIZON:
+            self.counts = [c / 2 for c in self.counts]
+            self.sums = [s / 2 for s in self.sums]
+        if self._pending >= REFRESH_EVERY:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        total = sum(self.counts)
+        survival, mean_above = [0.0] * (NUM_BINS + 1), [0.0] * (NUM_BINS + 1)
+        count = mass = 0.0
+        for i in range(NUM_BINS, -1, -1):  # tails, from the right
+            count += self.counts[i]
+            mass += self.sums[i]
+            survival[i] = count / total
+            mean_above[i] = mass / count if count > 0 else (i + 1) * self.width
+        self._survival, self._mean_above = survival, mean_above
+        self._pending = 0
+
+    def tail(self, u: float) -> tuple[float, float]:
+        """(P(X > u), E[X - u | X > u]) for a prefix ``u`` expected gaps past its last use."""
+        i = min(int(u / self.width), NUM_BINS)
+        remaining = self._mean_above[i] - u
+        # past the mean of what is left the data says little: the wait grows with the age
+        return self._survival[i], max(remaining, self.width / 2, u / 2 if u > MAX_RATIO else 0.0)
+
+
+class ReuseOdds:
+    """P(a prefix used k times is used again), learned per k up to ``max_class``."""
+
+    def __init__(self, max_class: int = 4, horizon: int = 4096) -> None:
+        self.max_class = max_class
+        self.horizon = horizon
+        self._reused = [1.0] * (max_class + 1)
+        self._dropped = [1.0] * (max_class + 1)
+
+    def _k(self, uses: int) -> int:
+        return min(max(uses, 1), self.max_class)
+
+    def probability(self, uses: int) -> float:
+        k = self._k(uses)
+        return self._reused[k] / (self._reused[k] + self._dropped[k])
+
+    def reused(self, uses: int) -> None:
+        self._reused[self._k(uses)] += 1.0
+        self._fade()
+
+    def dropped(self, uses: int) -> None:
+        self._dropped[self._k(uses)] += 1.0
+        self._fade()
+
+    def _fade(self) -> None:
+        if sum(self._reused) + sum(self._dropped) > self.horizon:
+            self._reused = [c / 2 for c in self._reused]
+            self._dropped = [c / 2 for c in self._dropped]
