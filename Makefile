@@ -41,7 +41,7 @@ $(BIN)/helm: tools/install_helm.sh | $(ENV_STAMP)
 # The builder is idempotent (a no-op when models/default is up to date with its recipe)
 # and atomic (an interrupted build leaves no half-written model).
 model: env
-	$(BIN)/python -m backend.core.default_model --out $(MODEL)
+	$(BIN)/python -m tools.build_default_model --out $(MODEL)
 
 # The server stays in the foreground (Ctrl-C stops it); once it is ready, one answer is
 # streamed from Triton's generate_stream endpoint.

@@ -231,9 +231,9 @@ class EngineProcess:
 
     def prompt_text(self, token_ids: list[int]) -> str:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from backend.core.loaders import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_dir)
+            self._tokenizer = load_tokenizer(self.config.tokenizer_dir)
         return self._tokenizer.decode(token_ids)
 
     # ---- EngineHandle (the loop thread)

@@ -3,7 +3,6 @@ serving layer's own (``engine_process``), and what describes the model to client
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -116,21 +115,11 @@ def engine_config_from_parameters(parameters: Mapping[str, str],
 
 def read_model_info(parameters: Mapping[str, str], search_dirs: list[Path]) -> dict[str, str]:
     """chat_template / eos_token / bos_token of the configured model, read from its
-    tokenizer files (no tokenizer is loaded); {} when the folder cannot be read."""
+    tokenizer files or GGUF metadata (no tokenizer is loaded); {} when unreadable."""
+    from backend.core.loaders import tokenizer_info
+
     try:
         path = parameters.get("tokenizer_path") or parameters["model_path"]
-        folder = Path(resolve_path(path, search_dirs))
-        config = json.loads((folder / "tokenizer_config.json").read_text())
+        return tokenizer_info(resolve_path(path, search_dirs)).as_parameters()
     except (KeyError, ValueError, OSError):
         return {}
-    info = {}
-    template_file = folder / "chat_template.jinja"
-    template = template_file.read_text() if template_file.exists() else config.get("chat_template")
-    if isinstance(template, str):
-        info["chat_template"] = template
-    for key in ("eos_token", "bos_token"):
-        token = config.get(key)
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str):
-            info[key] = token
-    return info

@@ -56,10 +56,18 @@ def tokenizer_dir(parameters: Mapping[str, str], model_dir: Path) -> str:
 
 
 def load_tokenizer(path: str):
-    """The folder's tokenizer (tokenizer.json, its special tokens and chat template) as
+    """The engine's tokenizer for this path. A folder's tokenizer files load as
     transformers' fast tokenizer: the same vocabulary and rules as the engine's
     ``AutoTokenizer``, without what ``AutoTokenizer`` imports to pick a model-specific
-    class (torch among it: seconds and a few hundred MB for a text-only step)."""
+    class (torch among it: seconds and a few hundred MB for a text-only step). A GGUF file
+    (or a folder holding one) gives its own tokenizer and chat template."""
+    from backend.core.loaders import find_gguf
+
+    gguf = find_gguf(path) if not (Path(path) / "tokenizer.json").exists() else None
+    if gguf is not None:
+        from backend.core.loaders import load_tokenizer as load  # as the engine does
+
+        return load(gguf)
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(path)

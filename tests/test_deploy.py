@@ -186,7 +186,7 @@ def test_dockerfile_installs_backend_and_default_model(docker):
     assert "pip install -r docker/requirements-gpu.txt" in runs
     assert "pip install --no-deps /opt/radixlm/src" in runs
     assert "torch.version.cuda" in runs  # a CPU torch fails the build
-    match = re.search(r"python3 -m backend\.core\.default_model --out (\S+?);", runs)
+    match = re.search(r"python3 -m tools\.build_default_model --out (\S+?);", runs)
     assert match, "the default model is built at image build time"
     assert f"RADIXLM_MODEL_PATH={match.group(1)}" in envs
     # the chart's default (model baked in the image) points at the same folder
@@ -210,7 +210,7 @@ def _pins(path: Path) -> dict[str, str]:
 # Pinned in requirements.txt but deliberately not in the serving image (tqdm: the client
 # library's progress bar).
 NOT_IN_IMAGE = {"pytest", "pytest-timeout", "hypothesis", "jsonschema", "kubernetes-validate",
-                "matplotlib", "nvidia-pytriton", "tritonclient", "tqdm"}
+                "matplotlib", "nvidia-pytriton", "tritonclient", "tqdm", "accelerate"}
 
 
 def test_image_requirements_follow_the_repository_pins():

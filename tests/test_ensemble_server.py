@@ -183,7 +183,8 @@ def test_http_generate_and_generate_stream_through_the_ensemble(triton_server):
 
 def test_chat_messages_are_rendered_by_preprocessing(client, triton_server):
     messages = [{"role": "user", "content": "Xin chào, bạn khỏe không?"}]
-    rendered = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    rendered = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                "Hugging Face<|im_end|>\n<|im_start|>user\n"
                 "Xin chào, bạn khỏe không?<|im_end|>\n<|im_start|>assistant\n")
     client.send(ENSEMBLE, "chat", inputs(messages=json.dumps(messages), stream=False,
                                          sampling_parameters=json.dumps(GREEDY),

@@ -181,6 +181,32 @@ def _case_silu_and_mul(inter, dtype, t=4, strided=False, prealloc=False):
         assert got.data_ptr() == out.data_ptr()
 
 
+def _case_gemma_rmsnorm(hidden, dtype, t=5, residual=False):
+    """unit_offset: GemmaRMSNorm's math (scale 1 + w, one rounding at the end), alone and
+    after the residual add, in the input's dtype."""
+    from backend.core.kernels import fused
+    from backend.core.layers.basic import GemmaRMSNorm
+    gen = torch.Generator().manual_seed(hidden + 2)
+    norm = GemmaRMSNorm(hidden, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.5 * torch.randn(hidden, generator=gen))  # around 0: 1 + w ~ 1
+    norm = norm.to(dtype)
+    x = _strided_rows(t, hidden, gen, dtype) * 3
+    res = torch.randn(t, hidden, generator=gen).to(dtype) if residual else None
+    with torch.no_grad():
+        ref = norm(x) if res is None else norm(x, res)[0]
+    if res is None:
+        got = fused.rmsnorm(x, norm.weight.detach(), norm.eps, unit_offset=True)
+    else:
+        got, new_res = fused.fused_add_rmsnorm(x, res, norm.weight.detach(), norm.eps,
+                                               unit_offset=True)
+        assert torch.equal(new_res, x + res)
+    assert got.dtype == dtype and _err(got, ref) < TOL[dtype], _err(got, ref)
+    # the 1 is really added: the plain kernel gives a visibly different row
+    plain = fused.rmsnorm(x, norm.weight.detach(), norm.eps)
+    assert (plain.float() - ref.float()).abs().max() > 0.1
+
+
 def _case_empty():
     from backend.core.kernels import fused
     x = torch.empty(0, 96)
@@ -207,6 +233,10 @@ for _dt, _tag in ((torch.float32, "fp32"), (torch.float16, "fp16")):
     for _h, _kvh, _d in ((4, 2, 64), (6, 1, 80)):
         CASES[f"rotary-store-{_tag}-h{_h}-kvh{_kvh}-d{_d}"] = (
             _case_rotary_store, dict(h=_h, kvh=_kvh, d=_d, dtype=_dt))
+    for _h in (96, 2048):
+        CASES[f"gemma-rmsnorm-{_tag}-h{_h}"] = (_case_gemma_rmsnorm, dict(hidden=_h, dtype=_dt))
+        CASES[f"gemma-add-rmsnorm-{_tag}-h{_h}"] = (
+            _case_gemma_rmsnorm, dict(hidden=_h, dtype=_dt, residual=True))
     CASES[f"silu-mul-{_tag}-i96"] = (_case_silu_and_mul, dict(inter=96, dtype=_dt))
     # 1100 = two full 512 blocks + a masked partial one
     CASES[f"silu-mul-{_tag}-i1100-strided-out"] = (

@@ -17,7 +17,7 @@ from test_metrics_server import Scrape
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-GREEDY = {"temperature": 0, "max_tokens": 8}
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}  # all 8 from a real model
 
 
 def test_two_instances_share_one_engine(tmp_path, reference_engine):
@@ -44,7 +44,8 @@ def test_two_instances_share_one_engine(tmp_path, reference_engine):
         for i, p in enumerate(prompts):
             s.send(f"q{i}", grpc_inputs(p, GREEDY))
         got = s.collect([f"q{i}" for i in range(len(prompts))])
-        want = reference_engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+        want = reference_engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                                 ignore_eos=True))
         for i, w in enumerate(want):
             assert joined(got[f"q{i}"])[1] == w.token_ids
             assert got[f"q{i}"][-1]["finish_reason"] == "length"

@@ -143,7 +143,7 @@ def test_the_engine_in_its_own_process_serves_the_same_tokens_and_stops_cleanly(
         prompts = ["The capital of France is", "Un deux trois", "def f(x):"]
         for i, p in enumerate(prompts):
             s.send(f"p{i}", grpc_inputs(p, GREEDY))
-        s.send("too-long", grpc_inputs("hello " * 5000, GREEDY))  # refused by the engine process
+        s.send("too-long", grpc_inputs("hello " * 9000, GREEDY))  # refused by the engine process
         # the refusal and the other streams' tokens arrive in either order
         got, errors = {f"p{i}": [] for i in range(len(prompts))}, []
         pending, deadline = set(got), time.monotonic() + 120

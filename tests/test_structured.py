@@ -1,5 +1,6 @@
-"""Structured decoding through the engine, on the default model (real Qwen2
-tokenizer, random weights), float32 on CPU.
+"""Structured decoding through the engine, on a small random-weight model with the real
+Qwen2 tokenizer (``model_factory.random_qwen2_dir``: the grammar works on the tokenizer,
+and 4 layers keep the many steps cheap), float32 on CPU.
 
 Every constrained output must parse and conform: JSON schemas (checked with ``jsonschema``),
 regexes (``re.fullmatch``), choices (exactly one), an EBNF grammar (our own
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from backend.core import Engine, EngineConfig, SamplingParams
-from model_factory import default_model_dir
+from model_factory import random_qwen2_dir
 
 # ----------------------------------------------------------------------------- cases
 # Bounded so that a random-weight model terminates: every string has maxLength, a pattern
@@ -124,7 +125,7 @@ def _temp_id(temp, seed):
 
 # ----------------------------------------------------------------------------- engines
 def _engine(**overrides) -> Engine:
-    settings = dict(model_path=str(default_model_dir()), device="cpu", dtype="float32",
+    settings = dict(model_path=str(random_qwen2_dir()), device="cpu", dtype="float32",
                     max_total_tokens=8192, max_running_requests=64, max_prefill_tokens=4096)
     settings.update(overrides)
     return Engine(EngineConfig(**settings))
@@ -469,7 +470,7 @@ def _reference_greedy_jump(model, grammar, eos: set[int], prompt_ids, schema, ma
 def reference(engine, big_batch):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(random_qwen2_dir(), dtype=torch.float32).eval()
     return {name: _reference_greedy_jump(model, engine.grammar.get(), engine.eos_token_ids,
                                          engine.tokenizer.encode(SCHEMA_PROMPTS[name]), schema, 120)
             for name, schema in SCHEMAS.items()}

@@ -52,17 +52,21 @@ def _setup(prefix_lens, ext_lens, num_heads, num_kv_heads, head_dim, seed,
     return pools, r2t.req_to_token, batch, *qkv
 
 
-def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.float32):
+def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.float32,
+             window=0, softcap=0.0):
     """TritonAttention.forward == TorchAttention.forward, outputs and pool contents."""
     from backend.core.layers.attention import TorchAttention
     from backend.core.layers.triton_attention import TritonAttention
     (ref_pool, tri_pool), r2t, batch, q, k, v = _setup(prefix_lens, ext_lens, h, kvh, d, seed,
                                                        dtype=dtype)
     scale = 0.7 / d ** 0.5  # not the default 1/sqrt(d): proves the scale is honoured
-    ref = TorchAttention(ref_pool, r2t).forward(q, k, v, 0, batch, scale)
+    options = dict(window=window, softcap=softcap)
+    ref = TorchAttention(ref_pool, r2t).forward(q, k, v, 0, batch, scale, **options)
+    if window or softcap:
+        _check_reference(ref, q, ref_pool, r2t, batch, scale, tol=tol, **options)
     backend = TritonAttention(tri_pool, r2t, num_heads=h)
     backend.prepare(batch)
-    out = backend.forward(q, k, v, 0, batch, scale)
+    out = backend.forward(q, k, v, 0, batch, scale, **options)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     err = (out.float() - ref.float()).abs().max().item()
@@ -73,6 +77,32 @@ def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.f
     if batch.is_decode:
         assert backend.num_kv_splits(batch.batch_size) == 8  # CPU default
         assert max(batch.seq_lens_cpu) > 8 > min(batch.seq_lens_cpu)
+
+
+def _check_reference(out, q, pool, r2t, batch, scale, window, softcap, tol):
+    """TorchAttention's window / soft cap against attention written out by definition,
+    one query at a time; and the window really hides keys (the output differs from full
+    attention wherever a row is longer than the window)."""
+    group = q.shape[1] // pool.k_buffer[0].shape[1]
+    row = 0
+    for b, (prefix, n) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)):
+        slots = r2t[batch.req_pool_indices[b], :prefix + n].long()
+        keys = pool.k_buffer[0][slots].float().repeat_interleave(group, dim=1)  # [S, H, D]
+        values = pool.v_buffer[0][slots].float().repeat_interleave(group, dim=1)
+        for j in range(n):
+            pos = prefix + j
+            lo = max(0, pos - window + 1) if window else 0
+            scores = torch.einsum("hd,shd->hs", q[row].float(), keys[lo:pos + 1]) * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            want = torch.einsum("hs,shd->hd", scores.softmax(-1), values[lo:pos + 1])
+            assert (out[row].float() - want).abs().max() < tol
+            if window and pos >= window:
+                full = torch.einsum("hs,shd->hd", (torch.einsum(
+                    "hd,shd->hs", q[row].float(), keys[:pos + 1]) * scale).softmax(-1),
+                    values[:pos + 1])
+                assert (full - want).abs().max() > 1e-3
+            row += 1
 
 
 def _decode_direct(splits, seq_lens_override=None):
@@ -120,7 +150,7 @@ def _case_store_kv_strided_cast():
     assert k_buf[untouched].abs().sum().item() == 0 and v_buf[untouched].abs().sum().item() == 0
 
 
-def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL):
+def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL, window=0):
     """decode_attention with ``rope`` == the layer's rotation, the pool store and the
     plain decode kernel: same output, same pool, q and k left as they were; a padding
     row (seq_len 0) writes nothing."""
@@ -135,7 +165,7 @@ def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL):
     rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), d, max_positions=320)
     q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
     ref_q, ref_k = rot(batch.positions, q.clone(), k.clone())
-    ref = TorchAttention(ref_pool, r2t).forward(ref_q, ref_k, v, 0, batch, 0.1)
+    ref = TorchAttention(ref_pool, r2t).forward(ref_q, ref_k, v, 0, batch, 0.1, window=window)
     # the last row is graph padding: seq_len 0, and its slot must stay untouched
     seq_lens = batch.seq_lens.clone()
     seq_lens[-1] = 0
@@ -144,7 +174,7 @@ def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL):
     ws = torch.full((decode_workspace_numel(6, h, d, splits),), float("nan"))
     rope = DecodeRope(k, v, batch.positions, rot.cos, rot.sin, batch.out_cache_loc)
     decode_attention(q, out, pool.k_buffer[0], pool.v_buffer[0], r2t, batch.req_pool_indices,
-                     seq_lens, 0.1, splits, workspace=ws, rope=rope)
+                     seq_lens, 0.1, splits, workspace=ws, rope=rope, window=window)
     err = (out[:-1].float() - ref[:-1].float()).abs().max().item()
     assert err < tol, f"max abs error {err}"
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
@@ -188,6 +218,20 @@ CASES["decode-rope-splits1"] = (_case_decode_rope, dict(h=4, kvh=2, d=64, splits
 CASES["decode-rope-fp16"] = (_case_decode_rope, dict(h=4, kvh=2, d=128, splits=4,
                                                      dtype=torch.float16, tol=2e-3))
 CASES["store-kv-strided-cast"] = (_case_store_kv_strided_cast, {})
+# Sliding windows: shorter and longer than the rows, not a multiple of a KV tile; a query
+# block (64 rows) whose window starts tiles before it; GQA; decode rows of every split.
+for _w in (1, 5, 40):
+    CASES[f"extend-window{_w}"] = (_compare, dict(EXTEND, h=4, kvh=2, d=64, seed=_w, window=_w))
+    CASES[f"decode-window{_w}"] = (_compare, dict(DECODE, h=4, kvh=2, d=64, seed=_w, window=_w))
+CASES["extend-window-fp16"] = (_compare, dict(prefix_lens=[3, 40], ext_lens=[70, 20], h=4, kvh=1,
+                                              d=128, seed=3, dtype=torch.float16, tol=2e-3,
+                                              window=33))
+for _w in (1, 7, 100):
+    CASES[f"decode-rope-window{_w}"] = (_case_decode_rope, dict(h=4, kvh=2, d=64, splits=8,
+                                                                window=_w))
+CASES["extend-softcap"] = (_compare, dict(EXTEND, h=4, kvh=2, d=64, seed=5, softcap=2.0))
+CASES["decode-softcap-window"] = (_compare, dict(DECODE, h=4, kvh=2, d=64, seed=6, softcap=2.0,
+                                                 window=9))
 
 
 def _worker() -> None:

@@ -17,9 +17,9 @@ import time
 import uuid
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
 from .config import EngineConfig
+from .loaders import load_tokenizer, open_checkpoint
 from .eviction import make_policy
 from .forward_step import ForwardStep, InFlight
 from .groups import Group, RequestGroups
@@ -44,9 +44,11 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        self.hf_config = AutoConfig.from_pretrained(config.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
-        self.runner = runner = ModelRunner(config, self.hf_config)
+        checkpoint = open_checkpoint(config.model_path)  # refuses what it cannot load
+        self.hf_config = checkpoint.config
+        self.tokenizer = (load_tokenizer(config.tokenizer_path) if config.tokenizer_path
+                          else checkpoint.tokenizer())
+        self.runner = runner = ModelRunner(config, self.hf_config, checkpoint.weights)
         self.context_len = runner.context_len
         self.slots = KVSlotAllocator(runner.kv_pool.size)
         self.rows = TableRowAllocator(runner.req_pool.num_rows)

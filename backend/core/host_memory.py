@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections import deque
 from typing import NamedTuple
 
@@ -47,7 +48,12 @@ class HostKVPool:
         self.size = size
         shape = (size, num_layers, 2, num_kv_heads, head_dim)
         self.buffer = torch.empty(shape, dtype=dtype)
-        if pin and not _pin(self.buffer):
+        if pin and _pin(self.buffer):
+            # Unregister before the buffer's memory goes back to the allocator: a later
+            # allocation at the same address (the next engine in this process) could not
+            # be registered again ("resource already mapped").
+            weakref.finalize(self, _unpin, self.buffer.data_ptr())
+        elif pin:
             self.buffer = torch.empty(shape, dtype=dtype, pin_memory=True)
 
     @staticmethod
@@ -201,6 +207,10 @@ def _pin(buffer: torch.Tensor) -> bool:
     logger.info("host KV tier: pinned %.1f GiB in %.1f s", nbytes / 2**30,
                 time.perf_counter() - started)
     return True
+
+
+def _unpin(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _runs(blocks: list[int]) -> list[tuple[int, int, int]]:

@@ -1,16 +1,15 @@
 """The device side: weights, KV pools, attention backend, forward passes. No policy here."""
 from __future__ import annotations
 
-import glob
 import logging
-import os
+from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
 from .layers.attention import AttentionBackend, TorchAttention
+from .layers.rotary import RotaryEmbedding
 from .host_memory import HostKVPool
 from .memory_pool import KVPool, ReqToTokenPool
 from .models.registry import context_limit, model_class
@@ -22,10 +21,16 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DEFAULT_CPU_KV_TOKENS = 32768
 
 
+Weights = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config) -> None:
+    def __init__(self, config: EngineConfig, hf_config, weights: Weights | None = None) -> None:
+        """``weights``: the checkpoint's tensors (``loaders.Checkpoint.weights``); by
+        default those of ``config.model_path``."""
         self.config = config
         self.hf_config = hf_config
+        self.weights = weights
         self.device = torch.device(config.device)
         self.to_device = HostToDevice(self.device)  # every host list this side copies
         self.dtype = _DTYPES[config.dtype]
@@ -61,28 +66,23 @@ class ModelRunner:
         with torch.device("meta"):
             model = cls(self.hf_config, self.context_len + 1)
         model = model.to_empty(device=self.device).to(self.dtype)
-        # rotary tables were wiped by to_empty: rebuild them in float32
-        model.rotary = type(model.rotary)(self.hf_config, model.layers[0].self_attn.head_dim,
-                                          self.context_len + 1).to(self.device)
+        for module in model.modules():  # to_empty wiped the rotary tables: float32 again
+            if isinstance(module, RotaryEmbedding):
+                module.fill_tables(self.device)
         if self.config.load_format == "dummy":
             _init_dummy(model, self.config.seed)
         else:
-            model.load_weights(self._iter_weights())
+            if self.weights is None:
+                from .loaders import open_checkpoint
+
+                self.weights = open_checkpoint(self.config.model_path).weights
+            model.load_weights(self.weights())
         model.eval()
         if self.device.type == "cuda" and self.config.enable_fused_gemv:
             for module in model.modules():
                 if hasattr(module, "fuse_rows"):
                     module.fuse_rows = True
         return model
-
-    def _iter_weights(self):
-        files = sorted(glob.glob(os.path.join(self.config.model_path, "*.safetensors")))
-        if not files:
-            raise ValueError(f"no *.safetensors weights in {self.config.model_path}")
-        for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
 
     def _kv_pool_size(self) -> int:
         if self.config.max_total_tokens is not None:

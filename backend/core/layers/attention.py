@@ -3,6 +3,13 @@
 A backend stores the batch's new K/V into the pool at ``batch.out_cache_loc`` and then
 attends each new query to its request's KV (prefix + new tokens, causally), reading
 slots through ``req_to_token``. See ``forward_batch.py`` for the index layout.
+
+Per layer, two options change what a query sees:
+  * ``window`` W > 0 (sliding-window layers): the query at position i sees keys at
+    positions i - W + 1 .. i, as Hugging Face's ``kv_idx > q_idx - sliding_window``.
+    The pool and the radix cache still keep every position (a later layer, or a full-
+    attention layer, needs them); only the attention skips the old ones.
+  * ``softcap`` c > 0: scores (after ``scale``) become ``c * tanh(score / c)``.
 """
 from __future__ import annotations
 
@@ -27,30 +34,31 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
+                batch: ForwardBatch, scale: float, *, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (new tokens). Returns [T, H, D]."""
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer_id: int, batch: ForwardBatch, scale: float, rotary) -> torch.Tensor:
+                       layer_id: int, batch: ForwardBatch, scale: float, rotary, *,
+                       window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """``forward`` after rotating q and k to their positions with ``rotary`` (a
         ``RotaryEmbedding``). q and k may be modified in place. A backend may fuse the
         rotation with its KV store, or (decode) with the attention kernel itself."""
         q, k = rotary(batch.positions, q, k)
-        return self.forward(q, k, v, layer_id, batch, scale)
+        return self.forward(q, k, v, layer_id, batch, scale, window=window, softcap=softcap)
 
 
 class TorchAttention(AttentionBackend):
     """Reference implementation with PyTorch SDPA: one padded call for decode batches,
     a loop over requests for extends."""
 
-    def forward(self, q, k, v, layer_id, batch, scale):
+    def forward(self, q, k, v, layer_id, batch, scale, *, window=0, softcap=0.0):
         k_buf = self.kv_pool.k_buffer[layer_id]
         v_buf = self.kv_pool.v_buffer[layer_id]
         k_buf[batch.out_cache_loc] = k.to(k_buf.dtype)
         v_buf[batch.out_cache_loc] = v.to(v_buf.dtype)
-        gqa = q.shape[1] != k.shape[1]
         if batch.is_decode:
-            return self._decode(q, k_buf, v_buf, batch, scale, gqa)
+            return self._decode(q, k_buf, v_buf, batch, scale, window, softcap)
         out = torch.empty_like(q)
         start = 0
         for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)):
@@ -60,20 +68,45 @@ class TorchAttention(AttentionBackend):
             values = v_buf[slots].transpose(0, 1)
             query = q[start:start + n].transpose(0, 1)  # [H, n, D]
             # query j sits at absolute position prefix + j and sees keys 0..prefix + j
-            mask = torch.ones((n, seq_len), dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-            o = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values, attn_mask=mask,
-                                               scale=scale, enable_gqa=gqa)
+            # (only the last `window` of them in a sliding-window layer)
+            q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = _visible(q_pos, k_pos, window)
+            o = _attend(query.to(keys.dtype), keys, values, mask, scale, softcap)
             out[start:start + n] = o.transpose(0, 1).to(out.dtype)
             start += n
         return out
 
-    def _decode(self, q, k_buf, v_buf, batch, scale, gqa):
+    def _decode(self, q, k_buf, v_buf, batch, scale, window, softcap):
         max_len = batch.max_seq_len
         slots = self.req_to_token[batch.req_pool_indices, :max_len].long()  # [B, S]
         keys = k_buf[slots].permute(0, 2, 1, 3)  # [B, KVH, S, D]
         values = v_buf[slots].permute(0, 2, 1, 3)
-        valid = torch.arange(max_len, device=q.device) < batch.seq_lens.unsqueeze(1)  # [B, S]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
-                                           attn_mask=valid[:, None, None, :], scale=scale,
-                                           enable_gqa=gqa)
+        k_pos = torch.arange(max_len, device=q.device)[None, :]
+        q_pos = (batch.seq_lens - 1).unsqueeze(1)  # the new token is the last position
+        valid = _visible(q_pos, k_pos, window)  # [B, S]; also hides the padding past it
+        o = _attend(q.unsqueeze(2).to(keys.dtype), keys, values, valid[:, None, None, :],
+                    scale, softcap)
         return o.squeeze(2).to(q.dtype)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    mask = k_pos <= q_pos
+    if window > 0:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _attend(query, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Softmax attention of query [..., H, n, D] over keys/values [..., KVH, S, D]."""
+    gqa = query.shape[-3] != keys.shape[-3]
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    group = query.shape[-3] // keys.shape[-3]
+    keys = keys.repeat_interleave(group, dim=-3)
+    values = values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap  # as the reference models cap scores
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)

@@ -84,11 +84,15 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+    """Gated feed-forward, ``down(act(gate) * up)``, with the gate and up projections fused
+    into one matmul. ``act``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {act!r}")
         self.intermediate = intermediate
+        self.act = act
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.fuse_rows = False
@@ -98,6 +102,9 @@ class GatedMLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The block's output from its gate/up projection ``gate_up`` [T, 2I]."""
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        if self.act == "gelu_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.fuse_rows and rows_fusable(gate_up, self.down_proj.weight):
             from ..kernels.gemv import silu_mul_linear_rows
 
@@ -106,5 +113,33 @@ class GatedMLP(nn.Module):
             from ..kernels.fused import silu_and_mul
 
             return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the scale is ``1 + weight`` and multiplies the float32 normalised
+    row before the one rounding to the input dtype (Llama's rounds first). Same call
+    interface as ``RMSNorm``; never fused into a projection."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with ``residual``: (norm(x + residual), x + residual)."""
+        if x.is_cuda:
+            from ..kernels.fused import fused_add_rmsnorm, rmsnorm
+
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps, unit_offset=True)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps, unit_offset=True)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

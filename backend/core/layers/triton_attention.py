@@ -13,6 +13,8 @@ size only, so every replay of a graph captured at batch size B uses the same gri
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -82,26 +84,29 @@ class TritonAttention(AttentionBackend):
                                    self.num_kv_splits(batch.batch_size))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
+                batch: ForwardBatch, scale: float, *, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         store_kv(self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
                  batch.out_cache_loc, k, v)
-        return self._attend(q, layer_id, batch, scale)
+        return self._attend(q, layer_id, batch, _Scoring(scale, window, softcap))
 
-    def forward_rotary(self, q, k, v, layer_id, batch, scale, rotary):
+    def forward_rotary(self, q, k, v, layer_id, batch, scale, rotary, *, window=0, softcap=0.0):
         if not q.is_cuda:  # CPU (the interpreter tests): the rotation's torch reference
-            return super().forward_rotary(q, k, v, layer_id, batch, scale, rotary)
+            return super().forward_rotary(q, k, v, layer_id, batch, scale, rotary,
+                                          window=window, softcap=softcap)
+        scoring = _Scoring(scale, window, softcap)
         if batch.is_decode and batch.batch_size:
             # the decode kernel rotates q and k and stores k and v itself
             rope = DecodeRope(k, v, batch.positions, rotary.cos, rotary.sin, batch.out_cache_loc)
-            return self._attend(q, layer_id, batch, scale, rope)
+            return self._attend(q, layer_id, batch, scoring, rope)
         # one launch rotates q and k and writes k and v to their pool slots
         rotary_store_kv(q, k, v, batch.positions, rotary.cos, rotary.sin,
                         self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
                         batch.out_cache_loc)
-        return self._attend(q, layer_id, batch, scale)
+        return self._attend(q, layer_id, batch, scoring)
 
     def _attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch,
-                scale: float, rope: DecodeRope | None = None) -> torch.Tensor:
+                scoring: "_Scoring", rope: DecodeRope | None = None) -> torch.Tensor:
         """Attention of the new queries over the pool: their own K/V already stored, or
         (decode with ``rope``) rotated and stored by the decode kernel itself."""
         k_buf = self.kv_pool.k_buffer[layer_id]
@@ -115,9 +120,19 @@ class TritonAttention(AttentionBackend):
             splits = self.num_kv_splits(batch.batch_size)
             workspace = self._decode_workspace(batch.batch_size, num_heads, splits)
             decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
-                             batch.seq_lens, scale, splits, workspace=workspace, rope=rope)
+                             batch.seq_lens, scoring.scale, splits, workspace=workspace,
+                             rope=rope, window=scoring.window, softcap=scoring.softcap)
         else:
             extend_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                              batch.seq_lens, batch.extend_prefix_lens, batch.qo_indptr,
-                             batch.max_extend_len, scale)
+                             batch.max_extend_len, scoring.scale, window=scoring.window,
+                             softcap=scoring.softcap)
         return out
+
+
+class _Scoring(NamedTuple):
+    """How one layer scores keys: scale, sliding window (0: none), soft cap (0: none)."""
+
+    scale: float
+    window: int
+    softcap: float

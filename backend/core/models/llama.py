@@ -1,8 +1,11 @@
 """Llama-family decoder (LlamaForCausalLM) over a flat batch of tokens and the paged KV pool.
 
-Qwen2 and Mistral reuse these classes (see ``qwen2.py``, ``mistral.py``): they differ only
-in QKV bias and config defaults. Checkpoint names are mapped to our fused projections
-in ``load_weights``, so ``forward`` stays free of renames.
+Qwen2, Qwen3, Mistral and Phi-3 reuse these classes (``qwen2.py``, ``qwen3.py``,
+``mistral.py``, ``phi3.py``): they differ in QKV bias, per-head q/k norms, rotary scaling
+and config defaults. Checkpoint names are mapped to our fused projections in
+``load_weights``, so ``forward`` stays free of renames. Sliding-window layers (Mistral,
+Qwen2/Qwen3 with ``use_sliding_window``, Phi-3's ``sliding_window``) pass their window
+to the attention backend, which attends within it (see ``layers/attention.py``).
 """
 from __future__ import annotations
 
@@ -17,8 +20,21 @@ from ..layers.basic import GatedMLP, RMSNorm, linear, rows_fusable
 from ..layers.rotary import RotaryEmbedding
 
 
+def sliding_window(config, layer_id: int) -> int:
+    """The attention window of layer ``layer_id`` (0: full attention). ``layer_types``
+    says which layers slide when the config has it (Qwen2, Qwen3, Gemma 3); otherwise a
+    set ``sliding_window`` applies to every layer (Mistral, Phi-3)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer_id] == "sliding_attention" else 0
+    return int(window) if getattr(config, "use_sliding_window", True) else 0
+
+
 class Attention(nn.Module):
-    def __init__(self, config, qkv_bias: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, layer_id: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -26,6 +42,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        self.window = sliding_window(config, layer_id)
+        self.softcap = 0.0  # attention scores are not capped (Gemma's may be)
         bias = qkv_bias or getattr(config, "attention_bias", False)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size,
@@ -37,18 +55,25 @@ class Attention(nn.Module):
         """From this layer's QKV projection (computed by the caller, which fuses it with
         the norm before it) to the output projection."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.norm_qk(q, k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = attn.forward_rotary(q, k, v, layer_id, batch, self.scale, rotary)
+        out = attn.forward_rotary(q, k, v, layer_id, batch, self.scale, rotary,
+                                  window=self.window, softcap=self.softcap)
         o_proj = self.o_proj
         return linear(out.reshape(-1, self.q_size), o_proj.weight, o_proj.bias, self.fuse_rows)
 
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor):
+        """Per-head q/k normalisation before the rotation; none in Llama."""
+        return q, k
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, layer_id: int,
+                 attention_cls: type = Attention) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias)
+        self.self_attn = attention_cls(config, qkv_bias, layer_id)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -66,13 +91,15 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
+    attention_cls = Attention
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.qkv_bias) for _ in range(config.num_hidden_layers))
+            DecoderLayer(config, self.qkv_bias, i, self.attention_cls)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
@@ -142,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 if name not in params:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                _check_shape(name, params[name].shape, tensor.shape)
                 with torch.no_grad():
                     params[name].copy_(tensor)
                 loaded.add(name)
@@ -158,7 +186,14 @@ class LlamaForCausalLM(nn.Module):
         return [inter, inter]
 
 
+def _check_shape(name: str, want: torch.Size, got: torch.Size) -> None:
+    if want != got:
+        raise ValueError(f"weight {name!r} has shape {tuple(got)}; the config implies "
+                         f"{tuple(want)}")
+
+
 def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, sizes: list[int]) -> None:
+    _check_shape(f"shard {shard}", (sizes[shard], *param.shape[1:]), tensor.shape)
     start = sum(sizes[:shard])
     with torch.no_grad():
         param.narrow(0, start, sizes[shard]).copy_(tensor)

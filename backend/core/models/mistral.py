@@ -1,5 +1,5 @@
-"""MistralForCausalLM: the Llama decoder; a sliding window caps the served context
-(see ``registry.context_limit``) so attention never needs to skip old tokens."""
+"""MistralForCausalLM: the Llama decoder; a ``sliding_window`` in its config applies to
+every layer (the attention backend attends within it)."""
 from .llama import LlamaForCausalLM
 
 

@@ -1,14 +1,20 @@
 """Hugging Face architecture name -> our model class."""
 from __future__ import annotations
 
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
+from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -22,10 +28,7 @@ def model_class(config) -> type:
 
 
 def context_limit(config) -> int:
-    """Longest sequence the model serves exactly: the position limit, or the sliding
-    window when one is set (full attention equals windowed attention up to it)."""
-    limit = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        limit = min(limit, int(window))
-    return limit
+    """Longest sequence the model serves: its position limit. Sliding-window layers
+    attend within their window at any length (the attention backends mask older
+    positions), so the window does not cap the context."""
+    return int(config.max_position_embeddings)
