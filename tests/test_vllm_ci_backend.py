@@ -116,6 +116,7 @@ def expected(reference_engine):
 
 
 class _VllmModelTests(TestResultCollector):
+    __test__ = False  # the shared tests; the classes below run them, each on its model
     vllm_model_name = "llm"
 
     def _test_vllm_model(self, prompts, sampling_parameters, stream, send_parameters_as_tensor,
@@ -181,10 +182,13 @@ def _clients(request, triton_server, expected):
 class VLLMTritonBackendTest(_VllmModelTests):
     """Upstream's test class on `llm`."""
 
+    __test__ = True
+
 
 class EnsembleTritonBackendTest(_VllmModelTests):
     """The same echo tests through the `ensemble` model (text in, text out)."""
 
+    __test__ = True
     vllm_model_name = "ensemble"
 
 
