@@ -66,7 +66,7 @@ class StepProcessor:
             entry = logprobs.record(row, tok, p.logprobs or 0)
             r.cumulative_logprob += entry.logprob
             if p.logprobs is not None:
-                r.logprobs.append(self._with_texts(entry))
+                r.logprobs.append(self._with_texts(entry, p.skip_special_tokens))
         grammar = r.grammar
         if grammar is not None and not grammar.accept(tok):
             r.error = f"token {tok} violates the request's grammar"
@@ -98,12 +98,14 @@ class StepProcessor:
             return []
         return [_output(r, new_ids, text, context, n_out)]
 
-    def _with_texts(self, entry: TokenLogprob) -> TokenLogprob:
-        """The entry with its tokens' texts (vLLM's decoded_token)."""
-        text = self.decoder.token_text
-        entry.text = text(entry.token_id)
+    def _with_texts(self, entry: TokenLogprob,
+                    skip_special_tokens: bool = False) -> TokenLogprob:
+        """The entry with its tokens' texts (vLLM's decoded_token; special tokens are ""
+        where the request skips them, so the chosen tokens' texts spell its text)."""
+        decoder = self.decoder
+        entry.text = decoder.token_text(entry.token_id, skip_special_tokens)
         if entry.top:
-            entry.top_text = {t: text(t) for t in entry.top}
+            entry.top_text = {t: decoder.token_text(t, skip_special_tokens) for t in entry.top}
         return entry
 
     def _prompt_logprobs(self, r: Req) -> list[TokenLogprob]:
