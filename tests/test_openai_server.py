@@ -197,7 +197,7 @@ BAD_REQUESTS = [
     ("bad range", dict(temperature=5), openai.BadRequestError, 400, "temperature"),
     ("bad schema", dict(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "no-such-type"}}}), openai.BadRequestError, 400, None),
-    ("too-long prompt", dict(messages=[{"role": "user", "content": "word " * 5000}]),
+    ("too-long prompt", dict(messages=[{"role": "user", "content": "word " * 9000}]),
      openai.BadRequestError, 400, None),
 ]
 

@@ -201,15 +201,16 @@ def _staggered(eng, prompts, new_tokens: int) -> list[list[int]]:
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     todo = [prompts[i] if i % 2 == 0 else prompts[i - 1][:24] + prompts[i][24:]
             for i in range(12)]
-    ids, results = [], {}
-    while len(results) < len(todo):
+    ids: dict[str, int] = {}
+    tokens: list[list[int]] = [[] for _ in todo]
+    finished = 0
+    while finished < len(todo):
         if len(ids) < len(todo):
-            rid = eng.add_request(todo[len(ids)], sp, stream=False)
-            eng.processor.keep_results([rid])
-            ids.append(rid)
-        eng.step()
-        results.update(eng.processor.take_results())
-    return [results[i].token_ids for i in ids]
+            ids[eng.add_request(todo[len(ids)], sp)] = len(ids)
+        for out in eng.step():
+            tokens[ids[out.request_id]].extend(out.new_token_ids)
+            finished += out.finished
+    return tokens
 
 
 if __name__ == "__main__":
