@@ -273,6 +273,9 @@ class EngineProcess:
             stats["transfer"] = {k: round(v, 6) for k, v in self.transfer.items()}
         return stats
 
+    def flush_cache(self) -> int:
+        return self._call("flush_cache")
+
     def check_integrity(self) -> None:
         error = self._call("integrity")
         if error is not None:

@@ -83,13 +83,13 @@ class Abort:
 @dataclass(frozen=True)
 class Query:
     token: int
-    what: str  # "stats" or "integrity"
+    what: str  # "stats", "integrity" or "flush_cache"
 
 
 @dataclass(frozen=True)
 class Reply:
     token: int
-    value: Any  # stats: a map; integrity: None or the failure
+    value: Any  # stats: a map; integrity: None or the failure; flush_cache: slots freed
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,8 @@ _OMITTABLE = tuple((i, f.name, None if f.default_factory is dataclasses.MISSING 
 
 
 def _logprob_map(lp: TokenLogprob) -> dict:
-    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top, "rank": lp.rank,
+            "text": lp.text, "top_text": lp.top_text}
 
 
 def _outputs_to_columns(outputs: list[StepOutput]) -> dict[str, Any]:

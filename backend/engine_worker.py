@@ -209,6 +209,8 @@ class Worker:
                 value = dict(self.engine.stats())
                 value["engine_loop"] = self.diagnostics.timer.report()
                 value["engine_peers"] = len(self.peers)
+            elif msg.what == "flush_cache":
+                value = self.engine.flush_cache()
             else:
                 try:
                     self.engine.check_integrity()

@@ -4,11 +4,14 @@
 (``pb_utils.MetricFamily``); tests inject a fake. Names, types, units and labels are
 documented in docs/metrics.md; deploy/ (HPA, dashboards) relies on them.
 
-Cost on the engine loop thread: ``observe_outputs`` appends the finished outputs' numbers
-to a list and ``sample`` calls ``engine.stats()`` at most every ``sample_interval_s``;
+Cost on the engine loop thread: ``observe_outputs`` appends the outputs' numbers to
+lists and ``sample`` calls ``engine.stats()`` at most every ``sample_interval_s``;
 everything that talks to Triton (each metric update is an IPC round trip to the server)
-runs on this module's publisher thread, which folds counters into one increment per
-series and sends gauges only when they change, every ``publish_interval_s``.
+runs in ``flush``: on this module's publisher thread every ``publish_interval_s``, and on
+a sender thread right before a request's final response (so a client that reads the
+metrics after its last response finds its request counted). A flush folds counters into
+one increment per series and sends gauges only when they change. The ``vllm:*`` series
+(``backend.vllm_metrics``) are published by the same flushes.
 """
 from __future__ import annotations
 
@@ -16,7 +19,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Mapping
+
+from backend.host_tier_metrics import (CACHED_BY_TIER, HOST_CACHE_TOKENS,  # noqa: F401
+                                       HOST_LOAD_SECONDS, HOST_LOADS, KV_TRANSFER_BYTES,
+                                       HostTierMetrics)
+from backend.metric_types import (Counter, MetricFactory, native_or_counter_histogram,
+                                  send_update)
+from backend.vllm_metrics import VllmSeries
+from backend.vllm_metrics import gauge_values as vllm_gauge_values
 
 log = logging.getLogger("radixlm.metrics")
 
@@ -32,11 +43,6 @@ TIME_TO_FIRST_TOKEN = "radixlm_time_to_first_token_seconds"
 TIME_PER_OUTPUT_TOKEN = "radixlm_time_per_output_token_seconds"
 E2E_LATENCY = "radixlm_e2e_request_latency_seconds"
 QUEUE_TIME = "radixlm_queue_time_seconds"
-CACHED_BY_TIER = "radixlm_cached_prompt_tokens_by_tier_total"
-KV_TRANSFER_BYTES = "radixlm_kv_transfer_bytes_total"
-HOST_LOADS = "radixlm_host_cache_loads_total"
-HOST_LOAD_SECONDS = "radixlm_host_cache_load_seconds_total"
-HOST_CACHE_TOKENS = "radixlm_host_cache_tokens"
 
 # Every request ends with one of these (an engine error is counted as "error", whatever
 # finish_reason the failed output carries); created up front so rate() starts at zero.
@@ -74,57 +80,6 @@ _HISTOGRAMS = {
 }
 
 
-# ---- what the factory makes ----------------------------------------------------------
-
-class Counter(Protocol):
-    def increment(self, value: float) -> None: ...
-
-
-class Gauge(Protocol):
-    def set(self, value: float) -> None: ...
-
-
-class Histogram(Protocol):
-    def observe(self, value: float) -> None: ...
-
-
-class MetricFactory(Protocol):
-    """Creates one labelled series; ``histogram`` may raise NotImplementedError (then
-    histograms are built from counters, see ``CounterHistogram``)."""
-
-    def counter(self, name: str, description: str, labels: dict[str, str]) -> Counter: ...
-    def gauge(self, name: str, description: str, labels: dict[str, str]) -> Gauge: ...
-    def histogram(self, name: str, description: str, labels: dict[str, str],
-                  buckets: Sequence[float]) -> Histogram: ...
-
-
-class CounterHistogram:
-    """A Prometheus histogram written as counters, for a metrics API without histograms:
-    ``<name>_bucket{le="..."}`` (cumulative, ``le="+Inf"`` last), ``<name>_sum``,
-    ``<name>_count``: the same series names and values a native histogram exposes."""
-
-    def __init__(self, factory: MetricFactory, name: str, description: str,
-                 labels: dict[str, str], buckets: Sequence[float]) -> None:
-        self._bounds = list(buckets)
-        les = [_format_le(b) for b in self._bounds] + ["+Inf"]
-        self._buckets = [factory.counter(f"{name}_bucket", description, {**labels, "le": le})
-                         for le in les]
-        self._sum = factory.counter(f"{name}_sum", description, labels)
-        self._count = factory.counter(f"{name}_count", description, labels)
-
-    def observe(self, value: float) -> None:
-        for bound, counter in zip(self._bounds, self._buckets):
-            if value <= bound:
-                counter.increment(1)
-        self._buckets[-1].increment(1)
-        self._sum.increment(value)
-        self._count.increment(1)
-
-
-def _format_le(bound: float) -> str:
-    return repr(float(bound)) if bound != int(bound) else f"{int(bound)}"
-
-
 # ---- the engine's metrics --------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -141,10 +96,12 @@ class EngineMetrics:
 
     def __init__(self, factory: MetricFactory, model: str, model_instance: str,
                  sample_interval_s: float = 0.25, publish_interval_s: float = 0.25,
-                 gauges: bool = True) -> None:
+                 gauges: bool = True, version: str = "1", vllm_series: bool = True,
+                 max_model_len: int = 32768) -> None:
         """``gauges=False``: no engine-wide gauges from this instance (another instance
         sharing the engine reports them; the counters and histograms count what this
-        instance served)."""
+        instance served). ``vllm_series``: also the vLLM backend's ``vllm:*`` series
+        (labelled model, version, model_instance)."""
         labels = {"model": model, "model_instance": model_instance}
         self._factory, self._labels = factory, labels
         self._counters = {name: factory.counter(name, text, dict(labels))
@@ -156,17 +113,17 @@ class EngineMetrics:
                         for name, text in _GAUGES.items()} if gauges else {}
         # engine-wide like the gauges: one instance of a shared engine reports them
         self._host_tier = HostTierMetrics(factory, labels) if gauges else None
-        self._histograms = {}
-        for key, (name, text, buckets) in _HISTOGRAMS.items():
-            try:
-                self._histograms[key] = factory.histogram(name, text, dict(labels), buckets)
-            except NotImplementedError:
-                self._histograms[key] = CounterHistogram(factory, name, text, dict(labels),
-                                                         buckets)
+        self._histograms = {key: native_or_counter_histogram(factory, name, text, dict(labels),
+                                                             buckets)
+                            for key, (name, text, buckets) in _HISTOGRAMS.items()}
+        self._vllm = VllmSeries(factory, {"model": model, "version": version,
+                                          "model_instance": model_instance},
+                                max_model_len, gauges) if vllm_series else None
         self._sample_interval_s = sample_interval_s
         self._publish_interval_s = publish_interval_s
         self._last_sample = float("-inf")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # what the loop thread hands over
+        self._flush_lock = threading.Lock()  # one publisher at a time, in order
         self._finished: list[_Finished] = []
         self._gauge_values: dict[str, float] | None = None
         self._sent_gauges: dict[str, float] = {}
@@ -179,8 +136,19 @@ class EngineMetrics:
         self._thread.start()
 
     # -- called on the engine loop thread
-    def observe_outputs(self, outputs: Iterable[Any]) -> None:
-        """Count every finished StepOutput (each sample of an n > 1 request counts)."""
+    def observe_request(self, n: int) -> None:
+        """A generation request was submitted (its ``n``)."""
+        if self._vllm is not None:
+            with self._lock:
+                self._vllm.record_request(n)
+
+    def observe_outputs(self, outputs: list[Any], made_at: float | None = None) -> None:
+        """Count every finished StepOutput (each sample of an n > 1 request counts);
+        the vLLM series also see every output (tokens as they come, per-token gaps).
+        ``made_at``: when these outputs left the engine (wall clock)."""
+        if self._vllm is not None:
+            with self._lock:
+                self._vllm.record(outputs, time.time() if made_at is None else made_at)
         finished = [_Finished(prompt_tokens=out.num_prompt_tokens,
                               cached_tokens=out.num_cached_tokens,
                               generated_tokens=out.num_output_tokens,
@@ -200,16 +168,25 @@ class EngineMetrics:
         self._last_sample = now
         stats = engine.stats()
         values = gauge_values(stats)
+        if self._vllm is not None:
+            values.update(vllm_gauge_values(stats))
         with self._lock:
             self._gauge_values = values
         self._host_tier.observe(stats)
 
-    # -- the publisher thread
+    # -- the publisher thread, and a sender thread before each final response
     def flush(self) -> None:
-        """Send what has been recorded (the publisher thread does this periodically)."""
+        """Send what has been recorded (the publisher thread does this periodically; a
+        request's final response waits for it, so that its client reads metrics that
+        count it). One flush at a time: a second waits until the first has sent."""
+        with self._flush_lock:
+            self._flush()
+
+    def _flush(self) -> None:
         with self._lock:
             finished, self._finished = self._finished, []
             gauges, self._gauge_values = self._gauge_values, None
+            vllm = self._vllm.take() if self._vllm is not None else None
         if finished:
             totals = {PROMPT_TOKENS: 0, GENERATION_TOKENS: 0, CACHED_PROMPT_TOKENS: 0}
             reasons: dict[str, int] = {}
@@ -220,18 +197,23 @@ class EngineMetrics:
                 reasons[f.reason] = reasons.get(f.reason, 0) + 1
             for name, total in totals.items():
                 if total:
-                    _send(self._counters[name].increment, total)
+                    send_update(self._counters[name].increment, total)
             for reason, count in reasons.items():
-                _send(self._request_counter(reason).increment, count)
+                send_update(self._request_counter(reason).increment, count)
             for f in finished:
                 if f.reason == "error":
                     continue
                 for key, value in f.timings.items():
                     if key in self._histograms:
-                        _send(self._histograms[key].observe, value)
-        for name, value in (gauges or {}).items():
-            if self._sent_gauges.get(name) != value and _send(self._gauges[name].set, value):
+                        send_update(self._histograms[key].observe, value)
+        changed = {name: value for name, value in (gauges or {}).items()
+                   if self._sent_gauges.get(name) != value}
+        for name, value in changed.items():
+            if name in self._gauges and send_update(self._gauges[name].set, value):
                 self._sent_gauges[name] = value
+        if vllm is not None:
+            sent = self._vllm.publish(vllm, changed, send_update)
+            self._sent_gauges.update(sent)
         if self._host_tier is not None:
             self._host_tier.flush()
 
@@ -245,6 +227,7 @@ class EngineMetrics:
         else:
             self._flush_safely()
         self._counters, self._requests, self._gauges, self._histograms = {}, {}, {}, {}
+        self._vllm = None
         self._host_tier = None
         self._factory = None
 
@@ -265,71 +248,6 @@ class EngineMetrics:
             self._requests[reason] = self._factory.counter(
                 REQUESTS, _REQUESTS_TEXT, {**self._labels, "finish_reason": reason})
         return self._requests[reason]
-
-
-def _send(update, value: float) -> bool:
-    """One metric update; a failing one (an IPC error) costs that update only."""
-    try:
-        update(value)
-        return True
-    except Exception as exc:
-        log.warning("a metric update failed: %s", exc)
-        return False
-
-
-class HostTierMetrics:
-    """The two-tier cache's series (docs/metrics.md), from the engine's running totals in
-    ``Engine.stats()``: what each sample added since the last is sent as increments."""
-
-    # series name, labels -> the stats total it follows
-    _TOTALS = {
-        (CACHED_BY_TIER, ("tier", "device")): None,  # cache_hit_tokens - cache_hit_tokens_host
-        (CACHED_BY_TIER, ("tier", "host")): "cache_hit_tokens_host",
-        (KV_TRANSFER_BYTES, ("direction", "to_host")): "kv_bytes_to_host",
-        (KV_TRANSFER_BYTES, ("direction", "to_device")): "kv_bytes_to_device",
-        (HOST_LOADS, None): "host_loads",
-        (HOST_LOAD_SECONDS, None): "host_load_seconds",
-    }
-    _TEXT = {
-        CACHED_BY_TIER: "Prompt tokens of finished requests served from each cache tier.",
-        KV_TRANSFER_BYTES: "KV bytes copied between the device and the host tier.",
-        HOST_LOADS: "Loads of cached KV from the host tier back to the device.",
-        HOST_LOAD_SECONDS: "Device time spent loading KV from the host tier, seconds.",
-    }
-
-    def __init__(self, factory: MetricFactory, labels: Mapping[str, str]) -> None:
-        self._counters = {key: factory.counter(key[0], self._TEXT[key[0]],
-                                               {**labels, **dict([key[1]] if key[1] else [])})
-                          for key in self._TOTALS}
-        self._gauge = factory.gauge(HOST_CACHE_TOKENS, "Tokens held by the host-memory tier "
-                                    "of the radix cache.", dict(labels))
-        self._lock = threading.Lock()
-        self._last: dict[tuple, float] = {key: 0.0 for key in self._TOTALS}
-        self._pending: dict[tuple, float] = {}
-        self._tokens: float | None = None
-        self._sent_tokens = 0.0  # a new gauge reads 0
-
-    def observe(self, stats: Mapping[str, Any]) -> None:
-        """Called on the engine loop thread with a stats sample."""
-        totals = {key: float(stats.get(field, 0) if field else
-                             stats.get("cache_hit_tokens", 0) - stats.get("cache_hit_tokens_host", 0))
-                  for key, field in self._TOTALS.items()}
-        with self._lock:
-            for key, total in totals.items():
-                if total > self._last[key]:
-                    self._pending[key] = self._pending.get(key, 0.0) + total - self._last[key]
-                    self._last[key] = total
-            self._tokens = float(stats.get("host_cache_tokens", 0))
-
-    def flush(self) -> None:
-        """Called on the publisher thread."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-            tokens, self._tokens = self._tokens, None
-        for key, value in pending.items():
-            _send(self._counters[key].increment, value)
-        if tokens is not None and tokens != self._sent_tokens and _send(self._gauge.set, tokens):
-            self._sent_tokens = tokens
 
 
 def gauge_values(stats: Mapping[str, Any]) -> dict[str, float]:

@@ -35,7 +35,7 @@ from backend.metrics import EngineMetrics
 from backend.model_config import (PROJECT_ROOT, check_tensor_parallel_instance,
                                   engine_config_from_parameters, engine_process_wanted,
                                   instances_on_device, read_model_info, request_timeout_s,
-                                  time_limit_s)
+                                  time_limit_s, vllm_metrics_wanted)
 from backend.server_lifecycle import (model_ready_url, not_ready, stop_tritonserver,
                                       watch_stop_signals)
 from backend.serving import EngineLoop
@@ -72,6 +72,7 @@ class TritonPythonModel:
         search_dirs = [model_dir, model_dir.parent, model_dir.parent.parent, PROJECT_ROOT]
         config = engine_config_from_parameters(parameters, search_dirs)
         self.request_timeout_s = request_timeout_s(parameters)
+        self.limits = config.limits
         self.logger = pb_utils.Logger
         self._check_model_info(parameters, search_dirs)
         if args.get("model_instance_kind") == "GPU" and config.device == "cuda":
@@ -105,8 +106,11 @@ class TritonPythonModel:
         self.metric_factory = TritonMetricFactory() if hasattr(pb_utils, "MetricFamily") else None
         self.metrics = None
         if self.metric_factory is not None:
-            self.metrics = EngineMetrics(self.metric_factory, args["model_name"],
-                                         args["model_instance_name"], gauges=reports_gauges)
+            self.metrics = EngineMetrics(
+                self.metric_factory, args["model_name"], args["model_instance_name"],
+                gauges=reports_gauges, version=str(args.get("model_version", "1")),
+                vllm_series=vllm_metrics_wanted(parameters),
+                max_model_len=int(self.engine.stats().get("context_len", 32768)))
             self.metrics.start()
         self.loop = EngineLoop(self.engine, on_error=self.logger.log_error,
                                sender_threads=int(os.environ.get("RADIXLM_SENDER_THREADS", "2")),
@@ -210,7 +214,8 @@ class TritonPythonModel:
                     self.loop.inject_fault("fault injected by a debug request")
                     sink.send_error("fault injected: the engine loop will die")
                     continue
-                job = wire.parse_request(read_inputs(request), parameters)
+                job = wire.parse_request(read_inputs(request), parameters, sink.wanted,
+                                         self.limits)
             except wire.InputError as exc:
                 sink.send_error(str(exc))
                 continue

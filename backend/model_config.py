@@ -97,6 +97,17 @@ def time_limit_s(streamed: bool, request_timeout: float | None,
     return min(limits) if limits else None
 
 
+# The vLLM backend's switch for its vllm:* metrics (upper case: Triton's convention for
+# backend parameters); here they are on unless it is "false".
+REPORT_CUSTOM_METRICS = "REPORT_CUSTOM_METRICS"
+
+
+def vllm_metrics_wanted(parameters: Mapping[str, str]) -> bool:
+    """Whether to publish the vllm:* series next to ours (docs/metrics.md)."""
+    return _convert(REPORT_CUSTOM_METRICS, "bool",
+                    parameters.get(REPORT_CUSTOM_METRICS, "true"))
+
+
 def instances_on_device(model_config: Mapping[str, Any], kind: str, device_id: int) -> int:
     """How many instances of the model Triton runs on this instance's device: its
     ``instance_group`` counts (a KIND_GPU group places ``count`` instances on each of its

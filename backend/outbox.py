@@ -13,38 +13,55 @@ import threading
 import time
 from typing import Callable
 
-from backend.serving_types import Tracked, SampleText, safe_call
+from backend.serving_types import Tracked, safe_call
 
 
-class Delta:
-    """Streamed output of one sample, waiting in the outbox: its first step's output and
-    every later one that arrived before a sender took it."""
+class Piece:
+    """One sample's streamed output within a delta: its first step's output and every
+    later one that arrived before a sender took the delta."""
 
-    __slots__ = ("tracked", "sample", "out", "text", "token_ids", "logprobs", "context_ids",
-                 "final")
+    __slots__ = ("out", "text", "token_ids", "logprobs", "context_ids", "prompt_logprobs")
 
-    def __init__(self, tracked: Tracked, sample: SampleText, out, final: bool) -> None:
-        self.tracked, self.sample = tracked, sample
+    def __init__(self, out) -> None:
         self.out = out  # the latest StepOutput (finish reason, counts)
         self.text = [out.new_text]
         self.token_ids = list(out.new_token_ids)
         self.logprobs = list(out.logprobs) if out.logprobs else []
         self.context_ids = out.context_token_ids  # what precedes the first of token_ids
-        self.final = final  # the request's last response
+        self.prompt_logprobs = out.prompt_logprobs  # with a sample's first output only
 
-    def add(self, out, final: bool) -> None:
-        """A later step's output of the same sample."""
+    def add(self, out) -> None:
         self.out = out
         self.text.append(out.new_text)
         self.token_ids += out.new_token_ids
         if out.logprobs:
             self.logprobs += out.logprobs
+
+
+class Delta:
+    """Streamed output of one request waiting in the outbox, one piece per sample that
+    produced some: it goes out as one response with an entry for every sample."""
+
+    __slots__ = ("tracked", "pieces", "final")
+
+    def __init__(self, tracked: Tracked, out, final: bool) -> None:
+        self.tracked = tracked
+        self.pieces = {out.index: Piece(out)}
+        self.final = final  # the request's last response
+
+    def add(self, out, final: bool) -> None:
+        """A later step's output of the same request."""
+        piece = self.pieces.get(out.index)
+        if piece is None:
+            self.pieces[out.index] = Piece(out)
+        else:
+            piece.add(out)
         self.final = self.final or final
 
 
-# A streamed step output on its way to the outbox: (tracked, sample, StepOutput, final).
-# The outbox adds it to the sample's delta still queued, else queues a new Delta: a
-# request whose sender is behind costs a few list appends per token, not an object.
+# A streamed step output on its way to the outbox: (tracked, StepOutput, final). The
+# outbox adds it to the request's delta still queued, else queues a new Delta: a request
+# whose sender is behind costs a few list appends per token, not an object.
 Streamed = tuple
 
 
@@ -52,8 +69,8 @@ class Outbox:
     """Per-request ordered queues of pending responses, drained by sender threads.
 
     A request is handled by one sender at a time, so its responses keep their order.
-    Queued output of the same sample merges into one response; a callable item (a final
-    non-streamed response, an error) runs after everything queued before it."""
+    Queued streamed output of a request merges into one response; a callable item (a
+    final non-streamed response, an error) runs after everything queued before it."""
 
     def __init__(self, deliver_delta: Callable[[Delta], None], num_threads: int) -> None:
         self._deliver_delta = deliver_delta
@@ -129,32 +146,18 @@ class Outbox:
                     self._cv.notify_all()
 
     def _deliver(self, items: list) -> None:
-        # put_many already merged each sample's step outputs into one delta
-        deltas: list[Delta] = []
+        # put_many already merged a request's consecutive step outputs into one delta
         for item in items:
             if item.__class__ is Delta:
-                deltas.append(item)
-                continue
-            self._flush(deltas)
-            safe_call(item)
-        self._flush(deltas)
-
-    def _flush(self, deltas: list[Delta]) -> None:
-        # the request's final response goes last (with n > 1, the sample that finished
-        # last may have had its delta queued before another sample's)
-        for delta in sorted(deltas, key=lambda d: d.final):
-            self._deliver_delta(delta)
-        deltas.clear()
+                self._deliver_delta(item)
+            else:
+                safe_call(item)
 
 
 def merge_streamed(queued: list, item: Streamed) -> bool:
-    """Add a streamed output to its sample's delta among the trailing deltas of a
-    request's queue; False when there is none (a callable comes after it, or none yet)."""
-    sample = item[1]
-    for prev in reversed(queued):
-        if prev.__class__ is not Delta:
-            return False
-        if prev.sample is sample:
-            prev.add(item[2], item[3])
-            return True
+    """Add a streamed output to the request's delta at the end of its queue; False when
+    there is none (a callable comes last, or nothing is queued)."""
+    if queued and queued[-1].__class__ is Delta:
+        queued[-1].add(item[1], item[2])
+        return True
     return False

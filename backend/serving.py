@@ -21,13 +21,14 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import sys
 import threading
 import time
 import traceback
 from typing import Any, Callable
 
-from backend import wire
+from backend import wire, wire_outputs
 from backend.core.handle import (EngineDied, EngineHandle, GenerateRequest, OutputBatch,
                                  ScoreRequest)
 from backend.diagnostics import LoopDiagnostics
@@ -45,7 +46,8 @@ class EngineLoop:
                  on_error: Callable[[str], None] | None = None,
                  on_info: Callable[[str], None] | None = None,
                  server_stopping: Callable[[], bool] | None = None, metrics: Any = None,
-                 on_death: Callable[[str], None] | None = None, sender_threads: int = 2) -> None:
+                 on_death: Callable[[str], None] | None = None, sender_threads: int = 2,
+                 heartbeat_s: float = 1.0) -> None:
         """``server_stopping``, polled while requests are pending, says the server has
         begun to shut down: pending requests are then aborted so that each gets its final
         response (tritonserver only unloads the model, and so calls ``finalize``, once
@@ -61,10 +63,14 @@ class EngineLoop:
         self._on_info = on_info or log.info
         self._lock = threading.Lock()
         self._active: dict[str, Tracked] = {}
-        self._stats_sinks: queue.SimpleQueue[ResponseSink] = queue.SimpleQueue()
+        # (sink, flush the prefix cache first) of debug requests, answered between batches
+        self._stats_sinks: queue.SimpleQueue[tuple[ResponseSink, bool]] = queue.SimpleQueue()
+        self._cancel_tokens: dict[str, str] = {}  # cancel_token -> request id
+        self._heartbeat_s = heartbeat_s
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixlm-engine-loop", daemon=True)
-        self._router = Router(self._put, self._retire, engine.abort)
+        self._router = Router(self._put, self._retire, engine.abort,
+                              before_final=metrics.flush if metrics is not None else None)
         self._outbox = Outbox(self._router.deliver_delta, sender_threads)
         self._batch: list | None = None  # outbox items of the batch being routed
         self._id_prefix = f"{id(self):x}-{time.monotonic_ns():x}-"
@@ -99,13 +105,17 @@ class EngineLoop:
             safe_call(sink.send_error, "the model is shutting down")
             return
         if isinstance(job, wire.StatsJob):
-            self._stats_sinks.put(sink)
+            self._stats_sinks.put((sink, job.flush_cache))
+            return
+        if isinstance(job, wire.CancelJob):
+            self._cancel(job.token, sink)
             return
         rid = f"{self._id_prefix}{next(self._ids)}"
         prompt_text = job.prompt if isinstance(job.prompt, str) else ""
-        n = job.params.n if isinstance(job, wire.GenerateJob) else 1
+        n = job.params.num_samples if isinstance(job, wire.GenerateJob) else 1
         tracked = Tracked(job=job, sink=sink, prompt_text=prompt_text, num_samples=n,
-                          wanted=sink.wanted, trace=self.diagnostics.new_trace(label or rid))
+                          wanted=sink.wanted, trace=self.diagnostics.new_trace(label or rid),
+                          last_sent=time.monotonic())
         if timeout_s is not None and timeout_s > 0:
             tracked.deadline = time.monotonic() + timeout_s
             tracked.cancel_message = f"request timed out (its limit: {timeout_s:g} s)"
@@ -113,11 +123,20 @@ class EngineLoop:
             request = ScoreRequest(rid, job.prompt, job.choices)
         else:
             if job.prepend_input and not isinstance(job.prompt, str):
-                tracked.prompt_text = self.engine.prompt_text(job.prompt)
+                try:
+                    tracked.prompt_text = self.engine.prompt_text(job.prompt)
+                except (OverflowError, ValueError, TypeError):
+                    pass  # ids outside the vocabulary: the engine refuses them by name
+            if wire.CANCEL_TOKEN in job.outputs:
+                tracked.cancel_token = secrets.token_hex(16)
             request = GenerateRequest(rid, job.prompt, job.params, _text_per_step(job, sink))
+            if self._metrics is not None:
+                safe_call(self._metrics.observe_request, job.params.n)
         # Track first: the loop may produce output for rid as soon as the engine has it.
         with self._lock:
             self._active[rid] = tracked
+            if tracked.cancel_token is not None:
+                self._cancel_tokens[tracked.cancel_token] = rid
         try:
             self.engine.submit(request)
         except EngineDied as exc:  # the loop thread notices too, and fails the rest
@@ -129,6 +148,17 @@ class EngineLoop:
             if self._retire(rid) is not None:
                 reason = self.failure
                 tracked.close_with(lambda: sink.send_error(f"the engine loop died ({reason})"))
+
+    def _cancel(self, token: str, sink: ResponseSink) -> None:
+        """A cancel request: abort the request that sent ``token`` (an ensemble relays its
+        client's cancellation so), then answer with one empty response."""
+        with self._lock:
+            rid = self._cancel_tokens.get(token)
+            tracked = self._active.get(rid) if rid is not None else None
+        if tracked is not None and not tracked.cancelled:
+            tracked.cancelled = True
+            self.engine.abort(rid)
+        safe_call(sink.send, wire_outputs.empty_outputs(), True)
 
     def note_intake(self, started: float, ended: float, requests: int) -> None:
         self.diagnostics.note_intake(started, ended, requests)
@@ -170,6 +200,7 @@ class EngineLoop:
             now = time.monotonic()
             if now - last_poll >= self._cancel_poll_s:
                 self._abort_cancelled()
+                self._send_heartbeats(now)
                 if self._server_stopping is not None and self.num_active() \
                         and safe_call(self._server_stopping, default=False):
                     self._abort_pending()
@@ -193,7 +224,7 @@ class EngineLoop:
     def _route_batch(self, batch: OutputBatch) -> None:
         outputs = batch.outputs
         if self._metrics is not None and outputs:
-            safe_call(self._metrics.observe_outputs, outputs)
+            safe_call(self._metrics.observe_outputs, outputs, batch.made_at)
         with self._lock:  # one look-up pass for the whole batch
             found = [(out, self._active.get(out.request_id)) for out in outputs]
         if self.diagnostics.tracing:
@@ -222,7 +253,7 @@ class EngineLoop:
         self._fail_all(f"the engine loop died ({reason})")
         while True:
             try:
-                sink = self._stats_sinks.get_nowait()
+                sink, _ = self._stats_sinks.get_nowait()
             except queue.Empty:
                 break
             safe_call(sink.send_error, f"the engine loop died ({reason})")
@@ -233,10 +264,13 @@ class EngineLoop:
     def _answer_stats(self) -> None:
         while True:
             try:
-                sink = self._stats_sinks.get_nowait()
+                sink, flush = self._stats_sinks.get_nowait()
             except queue.Empty:
                 return
+            freed = self.engine.flush_cache() if flush else None
             stats = dict(self.engine.stats())
+            if freed is not None:
+                stats["flushed_kv_tokens"] = freed
             try:
                 self.engine.check_integrity()
                 stats["integrity_ok"], stats["integrity_error"] = True, None
@@ -245,7 +279,7 @@ class EngineLoop:
             stats["num_pending_requests"] = self.num_active()
             stats.update(self.diagnostics.report())
             stats["loop"]["queued_responses"] = self._outbox.pending()
-            safe_call(sink.send, wire.stats_outputs(stats), True)
+            safe_call(sink.send, wire_outputs.stats_outputs(stats), True)
 
     def _abort_cancelled(self) -> None:
         """Abort each request whose client left (its sink says so) or whose time is up."""
@@ -269,6 +303,18 @@ class EngineLoop:
                 tracked.cancelled = True
                 self.engine.abort(rid)
 
+    def _send_heartbeats(self, now: float) -> None:
+        """An empty response to every request that asked for a cancel_token and has sent
+        nothing for heartbeat_s: the ensemble's postprocessing step only runs on a
+        response, and a run is its one chance to see that its client cancelled."""
+        with self._lock:
+            due = [(rid, t) for rid, t in self._active.items() if t.cancel_token is not None
+                   and now - t.last_sent >= self._heartbeat_s and not t.cancelled]
+        for rid, tracked in due:
+            tracked.last_sent = now
+            payload = _heartbeat_payload(tracked)
+            self._put(rid, lambda t=tracked, p=payload: _send_open(t, p))
+
     def _abort_pending(self) -> None:
         with self._lock:
             candidates = [(rid, t) for rid, t in self._active.items()
@@ -291,11 +337,15 @@ class EngineLoop:
     def _retire(self, rid: str) -> Tracked | None:
         """The engine is done with ``rid``: stop tracking it (its final may still be queued)."""
         with self._lock:
-            return self._active.pop(rid, None)
+            tracked = self._active.pop(rid, None)
+            if tracked is not None and tracked.cancel_token is not None:
+                self._cancel_tokens.pop(tracked.cancel_token, None)
+            return tracked
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             failed, self._active = self._active, {}
+            self._cancel_tokens.clear()
         for rid, tracked in failed.items():
             self.engine.abort(rid)
             self._put(rid, lambda t=tracked: t.close_with(lambda: t.sink.send_error(message)))
@@ -316,6 +366,21 @@ class EngineLoop:
         self._fail_all("the model is shutting down")
         self._answer_stats()
         self._outbox.close(max(1.0, deadline - time.monotonic()))
+
+
+def _heartbeat_payload(tracked: Tracked) -> dict:
+    samples = [wire_outputs.SampleOutput(i, "", [], None, 0)
+               for i in range(tracked.job.params.n)]
+    return wire_outputs.generation_outputs(samples, outputs=tracked.job.outputs,
+                                           num_input_tokens=tracked.num_input_tokens,
+                                           context_ids=[], cancel_token=tracked.cancel_token)
+
+
+def _send_open(tracked: Tracked, payload: dict) -> None:
+    """A non-final response, unless the request's final one went out already."""
+    with tracked.io_lock:
+        if not tracked.closed:
+            safe_call(tracked.sink.send, payload, False)
 
 
 def _text_per_step(job: wire.GenerateJob, sink: ResponseSink) -> bool:

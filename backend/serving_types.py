@@ -26,14 +26,24 @@ class ResponseSink(Protocol):
 
 @dataclass
 class SampleText:
-    """One sample's output collected for its response(s)."""
+    """One sample's output collected for its one response (not streamed)."""
 
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     context_ids: list[int] | None = None  # of the first output: what precedes it
-    sent_first: bool = False
+    prompt_logprobs: list | None = None
     final: object = None  # the sample's last StepOutput (finish reason, counts)
+
+
+@dataclass
+class SentState:
+    """What a streamed sample's responses have said so far (kept by the sender): a
+    response without new output for the sample repeats it."""
+
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -41,10 +51,14 @@ class Tracked:
     job: wire.GenerateJob | wire.ScoreJob
     sink: ResponseSink
     prompt_text: str
-    num_samples: int
+    num_samples: int  # the engine's samples (best_of of them when larger than n)
     wanted: frozenset[str] | None = None  # the sink's, read once
     samples: dict[int, SampleText] = field(default_factory=dict)
+    sent: dict[int, SentState] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    num_input_tokens: int = 0
+    cancel_token: str | None = None  # when the request asked for one
+    last_sent: float = 0.0  # monotonic time of its latest response (heartbeats)
     cancelled: bool = False  # by the client: its final response is a CANCELLED error
     cancel_message: str = "request cancelled"  # that error's text
     deadline: float | None = None  # time.monotonic() past which the request is cancelled

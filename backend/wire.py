@@ -1,25 +1,35 @@
-"""The server side of the wire contract: tensor names, parameter keys, parsing, encoding.
+"""The server side of the wire contract: tensor names, parameter keys, request parsing.
 
-Follows Triton's vLLM-backend conventions so existing clients work unchanged. Requests
-come in as plain numpy arrays plus the request's ``parameters`` dict (``model.py`` pulls
-them out of pb_utils objects); responses go out as ``{tensor name: numpy array}``.
+Follows Triton's vLLM backend, so its clients (and Triton's OpenAI-compatible frontend)
+work unchanged: ``text_output`` always; ``finish_reason``, ``cumulative_logprob``,
+``logprobs``, ``num_input_tokens`` and ``num_output_tokens`` only when asked. Our own
+outputs follow the same rule: an optional output ``X`` is sent when the request's BOOL
+input (or request parameter) ``return_X`` is true, or when the request names ``X``
+among its requested outputs (an ensemble step names what its output_map takes).
+Responses are built by ``backend.wire_outputs``.
 
 Request modes, decided by what the request carries:
   * generation: ``text_input`` (or ``input_ids``) -> one or more responses;
   * scoring:    ``choices`` (JSON list of strings) -> one response with ``choice_scores``;
-  * debug:      request parameter ``debug: "stats"`` -> one response with ``stats``
-                (engine counters plus the KV integrity check, as JSON).
+  * debug:      parameter ``debug: "stats"`` (engine counters and the KV integrity check)
+                or ``debug: "flush_cache"`` (drop the unused cached prefixes) -> one
+                response with ``stats``;
+  * cancel:     parameter ``cancel: <a cancel_token this model sent>`` -> aborts that
+                request (how the ensemble stops a request its client cancelled).
 
 The model's config.pbtxt ``parameters`` are read by ``backend.model_config``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
+from backend.core.limits import RequestLimits
+from backend.core.sampling_keys import from_request
 from backend.core.sampling_params import SamplingParams
 
 # Inputs
@@ -32,34 +42,58 @@ CHOICES = "choices"
 
 # Outputs
 TEXT_OUTPUT = "text_output"
-OUTPUT_IDS = "output_ids"
 FINISH_REASON = "finish_reason"
+CUMULATIVE_LOGPROB = "cumulative_logprob"
+LOGPROBS = "logprobs"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+OUTPUT_IDS = "output_ids"
 NUM_CACHED_TOKENS = "num_cached_tokens"
 INDEX = "index"
-LOGPROBS = "logprobs"
-CHOICE_SCORES = "choice_scores"
 CONTEXT_IDS = "context_ids"
+INPUT_TEXT = "input_text"
+CANCEL_TOKEN = "cancel_token"
+PROMPT_LOGPROBS = "prompt_logprobs"
+CHOICE_SCORES = "choice_scores"
 STATS = "stats"
 
-# Request parameters (Triton's `parameters` field) with a meaning of their own; every
-# other key is a sampling parameter, exactly as inside the `sampling_parameters` JSON.
+# Outputs sent only when asked (return_<name>, or named among the requested outputs):
+# vLLM's five, then ours.
+VLLM_OPTIONAL_OUTPUTS = (FINISH_REASON, CUMULATIVE_LOGPROB, LOGPROBS, NUM_INPUT_TOKENS,
+                         NUM_OUTPUT_TOKENS)
+OPTIONAL_OUTPUTS = VLLM_OPTIONAL_OUTPUTS + (OUTPUT_IDS, NUM_CACHED_TOKENS, INDEX, CONTEXT_IDS,
+                                            INPUT_TEXT, CANCEL_TOKEN)
+RETURN_FLAGS = {f"return_{name}": name for name in OPTIONAL_OUTPUTS}
+# Unfinished samples' finish_reason while streaming, as the vLLM backend writes it.
+NOT_FINISHED = "None"
+
+# Request parameters (Triton's `parameters`) with a meaning of their own; every other key
+# is a sampling key, exactly as inside the `sampling_parameters` JSON. "id" is the request
+# id Triton's HTTP generate endpoint passes on as a parameter.
 DEBUG = "debug"
 DEBUG_STATS = "stats"
-RESERVED_PARAMETERS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, DEBUG)
+DEBUG_FLUSH_CACHE = "flush_cache"
+CANCEL = "cancel"
+RESERVED_PARAMETERS = frozenset((STREAM, EXCLUDE_INPUT_IN_OUTPUT, DEBUG, CANCEL, "id",
+                                 *RETURN_FLAGS))
 
 INPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": dims, "optional": True}
                     for name, dtype, dims in (
-    (TEXT_INPUT, "TYPE_STRING", [1]), (INPUT_IDS, "TYPE_INT32", [-1]),
+    (TEXT_INPUT, "TYPE_STRING", [1]), (INPUT_IDS, "TYPE_INT64", [-1]),
     (STREAM, "TYPE_BOOL", [1]), (SAMPLING_PARAMETERS, "TYPE_STRING", [1]),
-    (EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", [1]), (CHOICES, "TYPE_STRING", [1])))
-OUTPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": [-1]} for name, dtype in (
-    (TEXT_OUTPUT, "TYPE_STRING"), (OUTPUT_IDS, "TYPE_INT32"), (FINISH_REASON, "TYPE_STRING"),
-    (NUM_INPUT_TOKENS, "TYPE_INT32"), (NUM_OUTPUT_TOKENS, "TYPE_INT32"),
-    (NUM_CACHED_TOKENS, "TYPE_INT32"), (INDEX, "TYPE_INT32"), (LOGPROBS, "TYPE_STRING"),
-    (CHOICE_SCORES, "TYPE_STRING"), (CONTEXT_IDS, "TYPE_INT32"), (STATS, "TYPE_STRING")))
+    (EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", [1]), (CHOICES, "TYPE_STRING", [1]),
+    *((flag, "TYPE_BOOL", [1]) for flag in RETURN_FLAGS)))
+OUTPUT_SPECS = tuple({"name": name, "data_type": dtype, "dims": dims} for name, dtype, dims in (
+    (TEXT_OUTPUT, "TYPE_STRING", [-1]), (FINISH_REASON, "TYPE_STRING", [-1]),
+    (CUMULATIVE_LOGPROB, "TYPE_FP32", [-1]), (LOGPROBS, "TYPE_STRING", [-1]),
+    (NUM_INPUT_TOKENS, "TYPE_UINT32", [1]), (NUM_OUTPUT_TOKENS, "TYPE_UINT32", [-1]),
+    (OUTPUT_IDS, "TYPE_INT32", [-1]), (NUM_CACHED_TOKENS, "TYPE_UINT32", [-1]),
+    (INDEX, "TYPE_INT32", [-1]), (CONTEXT_IDS, "TYPE_INT32", [-1]),
+    (INPUT_TEXT, "TYPE_STRING", [1]), (CANCEL_TOKEN, "TYPE_STRING", [1]),
+    (PROMPT_LOGPROBS, "TYPE_STRING", [1]), (CHOICE_SCORES, "TYPE_STRING", [1]),
+    (STATS, "TYPE_STRING", [1])))
 INPUT_NAMES = tuple(spec["name"] for spec in INPUT_SPECS)
+OUTPUT_NAMES = frozenset(spec["name"] for spec in OUTPUT_SPECS)
 
 
 class InputError(ValueError):
@@ -71,7 +105,8 @@ class GenerateJob:
     prompt: str | list[int]
     params: SamplingParams
     stream: bool
-    prepend_input: bool  # put the prompt text in front of the first text_output
+    prepend_input: bool  # the prompt leads the first text_output (or fills input_text)
+    outputs: frozenset[str]  # the optional outputs to send
 
 
 @dataclass(frozen=True)
@@ -82,33 +117,40 @@ class ScoreJob:
 
 @dataclass(frozen=True)
 class StatsJob:
-    pass
+    flush_cache: bool = False
 
 
-Job = GenerateJob | ScoreJob | StatsJob
+@dataclass(frozen=True)
+class CancelJob:
+    token: str
 
 
-def _scalar(array: np.ndarray, name: str, kinds: str) -> Any:
+Job = GenerateJob | ScoreJob | StatsJob | CancelJob
+
+
+def _scalar(array: np.ndarray, name: str, kinds: str, what: str) -> Any:
     if array.size != 1:
         raise InputError(f"'{name}' must hold exactly one element, got shape {list(array.shape)}")
     if array.dtype.kind not in kinds:
-        raise InputError(f"'{name}' has the wrong data type {array.dtype}")
+        raise InputError(f"'{name}' must be {what}, got data of type {array.dtype}")
     return array.reshape(-1)[0]
 
 
 def _text(array: np.ndarray, name: str) -> str:
-    value = _scalar(array, name, "OSU")
+    value = _scalar(array, name, "OSU", "a string (BYTES)")
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InputError(f"'{name}' is not valid UTF-8") from exc
-    return str(value)
+    if not isinstance(value, str):
+        raise InputError(f"'{name}' must be a string, got {value!r}")
+    return value
 
 
 def _flag(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any], name: str) -> bool | None:
     if name in inputs:
-        return bool(_scalar(inputs[name], name, "b"))
+        return bool(_scalar(inputs[name], name, "b", "a BOOL"))
     if name in parameters:
         value = parameters[name]
         if not isinstance(value, bool):
@@ -124,22 +166,24 @@ def _json(text: str, name: str) -> Any:
         raise InputError(f"'{name}' is not valid JSON: {exc}") from exc
 
 
-def _prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
+def _prompt(inputs: Mapping[str, np.ndarray], allow_empty: bool = False) -> str | list[int]:
     if TEXT_INPUT in inputs and INPUT_IDS in inputs:
         raise InputError(f"give either '{TEXT_INPUT}' or '{INPUT_IDS}', not both")
     if INPUT_IDS in inputs:
         ids = inputs[INPUT_IDS]
         if ids.dtype.kind not in "iu":
-            raise InputError(f"'{INPUT_IDS}' must be INT32, got {ids.dtype}")
+            raise InputError(f"'{INPUT_IDS}' must be INT64 token ids, got {ids.dtype}")
         if ids.ndim != 1 or ids.size == 0:
             raise InputError(f"'{INPUT_IDS}' must be a non-empty 1-D list of token ids")
         if int(ids.min()) < 0:
-            raise InputError(f"'{INPUT_IDS}' holds a negative token id")
+            raise InputError(f"'{INPUT_IDS}' holds a negative token id ({int(ids.min())})")
         return ids.tolist()  # Python ints; ~10x faster than converting one by one
     if TEXT_INPUT not in inputs:
+        if allow_empty:
+            return ""
         raise InputError(f"missing input '{TEXT_INPUT}' (or '{INPUT_IDS}')")
     text = _text(inputs[TEXT_INPUT], TEXT_INPUT)
-    if not text:
+    if not text and not allow_empty:
         raise InputError(f"'{TEXT_INPUT}' is empty")
     return text
 
@@ -155,100 +199,66 @@ def _sampling_dict(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, An
     return merged
 
 
-def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> Job:
-    """Turn one request's tensors and parameters into a job; raises ``InputError``."""
+def _outputs(inputs, parameters, requested: frozenset[str] | None) -> frozenset[str]:
+    """The optional outputs a request asked for. Triton reports every output as
+    requested when a request names none, so only a request naming some of them (not
+    all) asks for outputs by name."""
+    asked = {name for flag, name in RETURN_FLAGS.items() if _flag(inputs, parameters, flag)}
+    if requested is not None and not requested >= OUTPUT_NAMES:
+        asked |= requested & set(OPTIONAL_OUTPUTS)
+    return frozenset(asked)
+
+
+def _special(parameters: Mapping[str, Any]) -> Job | None:
     if DEBUG in parameters:
-        if parameters[DEBUG] != DEBUG_STATS:
-            raise InputError(f"parameter '{DEBUG}' must be '{DEBUG_STATS}'")
-        return StatsJob()
-    prompt = _prompt(inputs)
+        value = parameters[DEBUG]
+        if value not in (DEBUG_STATS, DEBUG_FLUSH_CACHE):
+            raise InputError(f"parameter '{DEBUG}' must be '{DEBUG_STATS}' or "
+                             f"'{DEBUG_FLUSH_CACHE}', got {value!r}")
+        return StatsJob(flush_cache=value == DEBUG_FLUSH_CACHE)
+    if CANCEL in parameters:
+        if not isinstance(parameters[CANCEL], str):
+            raise InputError(f"parameter '{CANCEL}' must be a cancel_token string")
+        return CancelJob(parameters[CANCEL])
+    return None
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
+                  requested: frozenset[str] | None = None,
+                  limits: RequestLimits | None = None) -> Job:
+    """Turn one request's tensors and parameters into a job; raises ``InputError``.
+    ``requested``: the output names the request names (None: none named)."""
+    special = _special(parameters)
+    if special is not None:
+        return special
+    limits = limits or RequestLimits()
     if CHOICES in inputs:
         choices = _json(_text(inputs[CHOICES], CHOICES), CHOICES)
         if not (isinstance(choices, list) and choices
                 and all(isinstance(c, str) and c for c in choices)):
             raise InputError(f"'{CHOICES}' must be a JSON list of non-empty strings")
-        return ScoreJob(prompt=prompt, choices=choices)
+        try:
+            limits.check_choices(choices)
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+        return ScoreJob(prompt=_prompt(inputs, allow_empty=True), choices=choices)
+    prompt = _prompt(inputs)
     stream = bool(_flag(inputs, parameters, STREAM))
     exclude = _flag(inputs, parameters, EXCLUDE_INPUT_IN_OUTPUT)
     # vLLM-backend default: a streamed answer leaves the prompt out, a whole one has it.
     prepend_input = (not stream) if exclude is None else not exclude
+    if stream and prepend_input:
+        raise InputError(f"when streaming, {EXCLUDE_INPUT_IN_OUTPUT} = false is not allowed")
+    outputs = _outputs(inputs, parameters, requested)
     try:
-        params = SamplingParams.from_dict(_sampling_dict(inputs, parameters))
+        params = from_request(_sampling_dict(inputs, parameters))
+        if CUMULATIVE_LOGPROB in outputs:
+            params = dataclasses.replace(params, cumulative_logprob=True)
+        limits.check(params)
     except (ValueError, TypeError) as exc:
         raise InputError(str(exc)) from exc
-    return GenerateJob(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input)
-
-
-# ---- encoding -------------------------------------------------------------------------
-
-def _bytes(*values: str) -> np.ndarray:
-    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
-
-
-def _int32(*values: int) -> np.ndarray:
-    return np.array(values, dtype=np.int32)
-
-
-def logprobs_json(logprobs: list) -> str:
-    """[{token_id, logprob, top_logprobs: {id: logprob}}] for core.TokenLogprob items."""
-    return json.dumps([
-        {"token_id": lp.token_id, "logprob": lp.logprob,
-         "top_logprobs": {str(k): v for k, v in (lp.top or {}).items()}}
-        for lp in logprobs
-    ])
-
-
-def generation_outputs(*, text: str, token_ids: list[int], context_ids: list[int],
-                       finish_reason: str | None, num_input_tokens: int,
-                       num_output_tokens: int, num_cached_tokens: int, index: int,
-                       logprobs: list | None,
-                       wanted: frozenset[str] | None = None) -> dict[str, np.ndarray]:
-    """The response tensors; with ``wanted`` (the outputs the client asked for) only
-    those are built (a streamed response is built once per token)."""
-    makers = {
-        TEXT_OUTPUT: lambda: _bytes(text),
-        OUTPUT_IDS: lambda: np.asarray(token_ids, dtype=np.int32),
-        FINISH_REASON: lambda: _bytes(finish_reason or ""),
-        NUM_INPUT_TOKENS: lambda: _int32(num_input_tokens),
-        NUM_OUTPUT_TOKENS: lambda: _int32(num_output_tokens),
-        NUM_CACHED_TOKENS: lambda: _int32(num_cached_tokens),
-        INDEX: lambda: _int32(index),
-        CONTEXT_IDS: lambda: np.asarray(context_ids, dtype=np.int32),
-    }
-    if logprobs is not None:
-        makers[LOGPROBS] = lambda: _bytes(logprobs_json(logprobs))
-    return {name: make() for name, make in makers.items() if wanted is None or name in wanted}
-
-
-def merge_samples(payloads: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """One response for several samples: every output concatenated in sample order
-    (text_output, finish_reason, index, counts: one entry per sample; output_ids: the
-    samples' ids back to back, num_output_tokens tells where each ends; context_ids: the
-    ids before every sample's first output, i.e. the prompt's tail, shared by all;
-    logprobs: a JSON list with one list per sample)."""
-    if len(payloads) == 1:
-        return payloads[0]
-    merged = {name: np.concatenate([p[name] for p in payloads])
-              for name in payloads[0] if name not in (LOGPROBS, CONTEXT_IDS)}
-    if CONTEXT_IDS in payloads[0]:
-        merged[CONTEXT_IDS] = payloads[0][CONTEXT_IDS]  # the prompt's tail: the same for all
-    if LOGPROBS in payloads[0]:
-        merged[LOGPROBS] = _bytes(json.dumps([json.loads(p[LOGPROBS][0]) for p in payloads]))
-    return merged
-
-
-def score_outputs(choice_scores: list, num_input_tokens: int,
-                  num_cached_tokens: int) -> dict[str, np.ndarray]:
-    scores = [{"choice": s.choice, "logprob_sum": s.logprob_sum, "num_tokens": s.num_tokens,
-               "normalized_logprob": s.normalized_logprob,
-               "token_logprobs": list(s.token_logprobs)} for s in choice_scores]
-    return {
-        CHOICE_SCORES: _bytes(json.dumps(scores)),
-        FINISH_REASON: _bytes("stop"),
-        NUM_INPUT_TOKENS: _int32(num_input_tokens),
-        NUM_CACHED_TOKENS: _int32(num_cached_tokens),
-    }
-
-
-def stats_outputs(stats: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    return {STATS: _bytes(json.dumps(dict(stats), default=str))}
+    if stream and params.num_samples > params.n:
+        raise InputError(f"best_of ({params.best_of}) > n ({params.n}) is not supported when "
+                         "streaming: the best samples are known only at the end")
+    return GenerateJob(prompt=prompt, params=params, stream=stream,
+                       prepend_input=prepend_input, outputs=outputs)

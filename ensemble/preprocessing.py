@@ -5,9 +5,10 @@ CPU instances tokenize in parallel, off the engine's process. The rules are in
 textproc.py; this file only moves tensors.
 
 Inputs (all optional, see textproc.prompt_ids): ``text_input`` (string), ``messages``
-(string, JSON chat), ``apply_chat_template`` (bool).
-Outputs: ``input_ids`` (INT32 [-1]) and ``exclude_input_in_output`` (BOOL [1], always
-true: the engine then neither decodes the prompt nor puts it in its text).
+(string, JSON chat), ``apply_chat_template`` (bool), ``exclude_input_in_output`` (bool,
+passed on to the engine; unset, it is the engine model's default: true when ``stream``
+is, false otherwise, so a whole answer starts with its prompt).
+Outputs: ``input_ids`` (INT64 [-1]) and ``exclude_input_in_output`` (BOOL [1]).
 """
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ def _text(request, name: str) -> str | None:
     return str(value)
 
 
-def _flag(request, name: str) -> bool:
+def _flag(request, name: str, default: bool = False) -> bool:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
-        return False
+        return default
     array = tensor.as_numpy()
     if array.size != 1:
         raise textproc.RequestError(f"'{name}' must hold exactly one boolean")
@@ -73,8 +74,10 @@ class TritonPythonModel:
                 ids = textproc.prompt_ids(self.tokenizer, text=_text(request, "text_input"),
                                           messages=_text(request, "messages"),
                                           apply_chat_template=_flag(request, "apply_chat_template"))
-                outputs = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32)),
-                           pb_utils.Tensor("exclude_input_in_output", np.array([True]))]
+                exclude = _flag(request, "exclude_input_in_output",
+                                default=_flag(request, "stream"))
+                outputs = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int64)),
+                           pb_utils.Tensor("exclude_input_in_output", np.array([exclude]))]
                 responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
             except textproc.RequestError as exc:
                 responses.append(_error(str(exc)))

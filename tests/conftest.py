@@ -169,6 +169,11 @@ def reference_engine():
 
 # ---- clients of the served model (shared by the server tests) --------------------------
 
+# The optional outputs the server tests read (each is sent only when asked for)
+RETURNED = ("finish_reason", "logprobs", "output_ids", "context_ids", "num_input_tokens",
+            "num_output_tokens", "num_cached_tokens", "index")
+
+
 def grpc_inputs(prompt: str, params: dict, stream: bool = True, **extra) -> list:
     def tensor(name, array, dtype):
         t = grpcclient.InferInput(name, list(array.shape), dtype)
@@ -181,6 +186,7 @@ def grpc_inputs(prompt: str, params: dict, stream: bool = True, **extra) -> list
         tensor("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_),
                "BYTES"),
         tensor("exclude_input_in_output", np.array([True]), "BOOL"),
+        *(tensor(f"return_{name}", np.array([True]), "BOOL") for name in RETURNED),
     ]
     return tensors + [tensor(name, array, dtype) for name, (array, dtype) in extra.items()]
 
@@ -198,6 +204,11 @@ def response_dict(result) -> dict:
     for name in ("num_input_tokens", "num_output_tokens", "num_cached_tokens", "index"):
         if name in names:
             out[name] = int(result.as_numpy(name)[0])
+    if "index" in names and "num_output_tokens" in names:  # n > 1: one entry per sample
+        ids, start, out["samples"] = out.get("output_ids", []), 0, {}
+        for index, count in zip(result.as_numpy("index"), result.as_numpy("num_output_tokens")):
+            out["samples"][int(index)] = ids[start:start + int(count)]
+            start += int(count)
     return out
 
 
@@ -265,7 +276,8 @@ def http_generate(server, body: dict, timeout_s: float = 120.0,
 
 def generate_body(prompt: str, params: dict) -> dict:
     return {"text_input": prompt, "exclude_input_in_output": True,
-            "sampling_parameters": json.dumps(params)}
+            "sampling_parameters": json.dumps(params),
+            **{f"return_{name}": True for name in RETURNED}}
 
 
 def server_stats(server) -> dict:

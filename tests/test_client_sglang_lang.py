@@ -109,7 +109,8 @@ def test_logprob_start_len_returns_the_prompts_logprobs_and_their_mean():
 
     backend = FakeBackend()
     meta = prog.run(backend=backend).get_meta_info("v")
-    assert backend.calls[0][2]["prompt_logprobs_start"] == 0
+    sent = backend.calls[0][2]
+    assert (sent["prompt_logprobs"], sent["logprob_start_len"]) == (0, 0)
     assert meta["input_token_logprobs"] == [(None, 97, "a"), (-0.5, 98, "b"), (-0.5, 99, "c")]
     assert meta["normalized_prompt_logprob"] == -0.5
 

@@ -18,9 +18,15 @@ except ImportError:  # not pip-installed: use the source tree
 from radixlm import wire as client_wire
 from backend import model_config
 from backend import wire as server_wire
-from backend.core import ChoiceScore, SamplingParams
+from backend import wire_outputs
+from backend.core import ChoiceScore
+from backend.core.outputs import TokenLogprob
+from backend.core.sampling_keys import REQUEST_KEYS
+from backend.wire_outputs import SampleOutput
 
-TRITON_TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
+TRITON_TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64",
+                "BOOL": "TYPE_BOOL", "UINT32": "TYPE_UINT32", "FP32": "TYPE_FP32"}
+EVERY_OUTPUT = frozenset(server_wire.OPTIONAL_OUTPUTS)
 
 
 def test_every_client_input_is_a_server_input_with_the_same_type_and_shape():
@@ -37,8 +43,8 @@ def test_every_output_the_client_reads_is_a_server_output_with_the_same_type():
 
 
 def test_the_client_accepts_exactly_the_sampling_keys_the_server_accepts():
-    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"max_new_tokens"}
-    assert client_wire.SAMPLING_KEYS == fields | {"max_tokens"}
+    assert client_wire.SAMPLING_KEYS == REQUEST_KEYS
+    assert set(client_wire.RETURN_FLAGS) <= set(server_wire.RETURN_FLAGS)
     assert set(model_config.MODEL_INFO_PARAMETERS) == {
         client_wire.CHAT_TEMPLATE_PARAM, client_wire.EOS_TOKEN_PARAM, client_wire.BOS_TOKEN_PARAM}
 
@@ -55,6 +61,8 @@ def test_a_client_generation_request_parses_on_the_server_as_sent():
     assert (job.prompt, job.stream, job.prepend_input) == ("Hello", True, False)
     assert (job.params.max_new_tokens, job.params.temperature, job.params.stop,
             job.params.regex, job.params.seed) == (7, 0.0, ["\n"], "[a-z]+", 3)
+    # the outputs the client reads are the ones it asks for
+    assert job.outputs == frozenset(client_wire.ALWAYS_RETURNED)
 
 
 def test_a_client_token_id_request_and_a_scoring_request_parse_on_the_server():
@@ -67,23 +75,44 @@ def test_a_client_token_id_request_and_a_scoring_request_parse_on_the_server():
 
 
 def test_server_generation_outputs_decode_on_the_client():
-    outputs = server_wire.generation_outputs(
-        text="héllo", token_ids=[11, 12], context_ids=[9], finish_reason="length",
-        num_input_tokens=5, num_output_tokens=2, num_cached_tokens=4, index=1, logprobs=None)
+    outputs = wire_outputs.generation_outputs(
+        [SampleOutput(1, "héllo", [11, 12], "length", 2, 4)], outputs=EVERY_OUTPUT,
+        num_input_tokens=5, context_ids=[9])
     chunk = client_wire.decode_chunk(outputs.get)
     assert chunk == radixlm.Chunk(text="héllo", index=1, output_ids=(11, 12),
                                   finish_reason="length", num_input_tokens=5,
                                   num_output_tokens=2, num_cached_tokens=4, logprobs=None)
 
 
+def test_a_running_sample_and_its_logprobs_decode_on_the_client():
+    entry = TokenLogprob(11, -0.25, {11: -0.25, 7: -2.0}, 1, "a", {11: "a", 7: "b"})
+    outputs = wire_outputs.generation_outputs(
+        [SampleOutput(0, "a", [11], None, 1, 0, [entry], -0.25)], outputs=EVERY_OUTPUT,
+        num_input_tokens=5, context_ids=[9],
+        prompt_logprobs=[TokenLogprob(3, None, text="x"), TokenLogprob(4, -1.0, {4: -1.0}, 1,
+                                                                       "y", {4: "y"})])
+    chunk = client_wire.decode_chunk(outputs.get)
+    assert chunk.finish_reason == ""  # "None" on the wire while the sample runs
+    assert chunk.logprobs == [{"11": {"logprob": -0.25, "rank": 1, "decoded_token": "a"},
+                               "7": {"logprob": -2.0, "rank": 2, "decoded_token": "b"}}]
+    parsed = radixlm.logprobs.parse(chunk.logprobs, chunk.output_ids, 2, True, "output")
+    assert parsed.tokens == [radixlm.logprobs.TokenLogprob(-0.25, 11, "a")]
+    prompt = radixlm.logprobs.parse(chunk.prompt_logprobs, [], 1, True, "input_token_logprobs")
+    assert prompt.tokens == [radixlm.logprobs.TokenLogprob(None, 3, "x"),
+                             radixlm.logprobs.TokenLogprob(-1.0, 4, "y")]
+    assert prompt.top[1] == [radixlm.logprobs.TokenLogprob(-1.0, 4, "y")]
+
+
 def test_server_score_outputs_decode_on_the_client():
-    outputs = server_wire.score_outputs(
-        [ChoiceScore(" yes", -1.5, 3, [-0.5, -0.5, -0.5]), ChoiceScore(" no", -0.4, 1, [-0.4])],
+    outputs = wire_outputs.score_outputs(
+        [ChoiceScore(" yes", -1.5, 3, [-0.5, -0.5, -0.5], [5, 6, 7]),
+         ChoiceScore(" no", -0.4, 1, [-0.4], [8])],
         num_input_tokens=6, num_cached_tokens=5)
     scores = client_wire.decode_choice_scores(outputs.get)
     assert [(s.choice, s.num_tokens, s.normalized_logprob) for s in scores] == [
         (" yes", 3, pytest.approx(-0.5)), (" no", 1, pytest.approx(-0.4))]
     assert scores[0].token_logprobs == (-0.5, -0.5, -0.5)
+    assert scores[0].token_ids == (5, 6, 7)
 
 
 def test_unknown_sampling_keys_fail_on_the_client_before_sending():
@@ -95,22 +124,17 @@ def test_unknown_sampling_keys_fail_on_the_client_before_sending():
     assert as_inputs(encoded)["exclude_input_in_output"].dtype == np.bool_
 
 
-def test_keys_and_outputs_the_client_uses_ahead_of_the_server_are_not_declared_there_yet():
-    # When the server adds one of these, move it into SAMPLING_KEYS / OUTPUTS.
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert not client_wire.NEWER_SAMPLING_KEYS & fields
-    assert not set(client_wire.NEWER_OUTPUTS) & {s["name"] for s in server_wire.OUTPUT_SPECS}
-    sent = json.loads(client_wire.sampling_json({"min_tokens": 3, "stop_regex": ["a+"]}))
-    assert sent == {"min_tokens": 3, "stop_regex": ["a+"]}
+def test_min_tokens_and_stop_regex_reach_the_engine():
+    job = server_wire.parse_request(as_inputs(client_wire.encode_request(
+        "x", {"min_tokens": 3, "stop_regex": ["a+b"], "max_tokens": 9})), {})
+    assert (job.params.min_new_tokens, job.params.stop_regex) == (3, ["a+b"])
 
 
 def test_a_response_holding_every_sample_decodes_into_one_chunk_per_sample():
-    payloads = [server_wire.generation_outputs(
-        text=text, token_ids=ids, context_ids=[9], finish_reason=reason, num_input_tokens=3,
-        num_output_tokens=len(ids), num_cached_tokens=1, index=i,
-        logprobs=[]) for i, (text, ids, reason) in enumerate(
-            [("ab", [1, 2], "length"), ("c", [3], "stop")])]
-    chunks = client_wire.decode_chunks(server_wire.merge_samples(payloads).get)
+    outputs = wire_outputs.generation_outputs(
+        [SampleOutput(0, "ab", [1, 2], "length", 2, 1), SampleOutput(1, "c", [3], "stop", 1, 1)],
+        outputs=EVERY_OUTPUT, num_input_tokens=3, context_ids=[9])
+    chunks = client_wire.decode_chunks(outputs.get)
     assert [(c.index, c.text, c.output_ids, c.finish_reason, c.num_output_tokens)
             for c in chunks] == [(0, "ab", (1, 2), "length", 2), (1, "c", (3,), "stop", 1)]
     merged = radixlm.results.merge_chunks(chunks)

@@ -15,7 +15,7 @@ from backend.core.handle import GenerateRequest
 from backend.engine_process import EngineProcess, EngineProcessDied
 from backend.serving import EngineLoop
 from engine_helpers import make_engine, random_prompts, tiny_model
-from test_server_loop import RecordingSink
+from loop_helpers import RecordingSink, generate
 
 SETTINGS = dict(device="cpu", dtype="float32", max_total_tokens=4096, max_running_requests=32,
                 max_prefill_tokens=512)
@@ -118,10 +118,9 @@ def test_under_the_engine_loop_streams_and_scores(remote):
     loop.start()
     try:
         stream, score, bad = RecordingSink(), RecordingSink(), RecordingSink()
-        loop.submit(wire.GenerateJob([30, 31, 32], SamplingParams(max_new_tokens=6, temperature=0.0,
-                                                                  ignore_eos=True), True, False), stream)
+        loop.submit(generate([30, 31, 32], max_new_tokens=6, temperature=0.0, ignore_eos=True), stream)
         loop.submit(wire.ScoreJob([30, 31, 32], ["a", "b c"]), score)
-        loop.submit(wire.GenerateJob([], SamplingParams(), True, False), bad)
+        loop.submit(generate([]), bad)
         for sink in (stream, score, bad):
             assert sink.closed.wait(60)
         assert sum(len(o[wire.OUTPUT_IDS]) for o, _ in stream.responses) == 6
@@ -142,10 +141,9 @@ def test_traced_requests_say_when_the_child_got_them(model_path, monkeypatch):
     loop.start()
     try:
         sink, bad = RecordingSink(), RecordingSink()
-        loop.submit(wire.GenerateJob([30, 31, 32], SamplingParams(max_new_tokens=3, temperature=0.0,
-                                                                  ignore_eos=True), True, False),
+        loop.submit(generate([30, 31, 32], max_new_tokens=3, temperature=0.0, ignore_eos=True),
                     sink, "traced")
-        loop.submit(wire.GenerateJob([10**9], SamplingParams(), True, False), bad, "refused")
+        loop.submit(generate([10**9]), bad, "refused")
         assert sink.closed.wait(60) and bad.closed.wait(60)
         deadline = time.monotonic() + 5
         while loop.pending_responses() and time.monotonic() < deadline:
@@ -181,8 +179,7 @@ def test_a_dead_child_fails_pending_requests_through_the_loop(model_path):
     loop.start()
     try:
         sink = RecordingSink()
-        loop.submit(wire.GenerateJob([50, 51], SamplingParams(max_new_tokens=4000, temperature=0.0,
-                                                              ignore_eos=True), True, False), sink)
+        loop.submit(generate([50, 51], max_new_tokens=4000, temperature=0.0, ignore_eos=True), sink)
         deadline = time.monotonic() + 60
         while not sink.responses:
             assert time.monotonic() < deadline
@@ -195,7 +192,7 @@ def test_a_dead_child_fails_pending_requests_through_the_loop(model_path):
             time.sleep(0.01)
         assert "exited" in deaths[0]
         later = RecordingSink()
-        loop.submit(wire.GenerateJob([1], SamplingParams(), True, False), later)
+        loop.submit(generate([1]), later)
         assert later.errors and "not running" in later.errors[0][0]
     finally:
         loop.stop(timeout_s=10)

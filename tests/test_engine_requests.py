@@ -27,7 +27,7 @@ def engine(model):
     ("", {}, "prompt is empty"),
     ([], {}, "prompt is empty"),
     ([1, 2, -5], {}, "token ids"),
-    ("hello", {"max_tokens": 0}, "max_new_tokens must be >= 1"),
+    ("hello", {"max_tokens": 0}, "max_tokens must be >= 1"),
     ("hello", {"top_p": 0.0}, "top_p"),
     ("hello", {"top_p": 1.5}, "top_p"),
     ("hello", {"temperature": -1}, "temperature"),
@@ -100,7 +100,8 @@ def test_logprobs_match_a_direct_forward(engine, model):
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     prompt = random_prompts(1, engine.runner.vocab_size, seed=9, min_len=10, max_len=10)[0]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=4, logprobs=3,
-                                                   prompt_logprobs_start=2, **GREEDY))[0]
+                                                   prompt_logprobs=0, logprob_start_len=1,
+                                                   **GREEDY))[0]
     seq = prompt + out.token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
@@ -110,9 +111,12 @@ def test_logprobs_match_a_direct_forward(engine, model):
         assert lp.logprob == pytest.approx(ref[pos, seq[pos + 1]].item(), abs=1e-4)
         top = ref[pos].topk(3)
         assert list(lp.top) == top.indices.tolist()
-    assert [p.token_id for p in out.prompt_logprobs] == prompt[2:]
-    for k, p in enumerate(out.prompt_logprobs):
+    # from logprob_start_len on, the first entry without a logprob (as SGLang's are)
+    assert [p.token_id for p in out.prompt_logprobs] == prompt[1:]
+    assert out.prompt_logprobs[0].logprob is None
+    for k, p in enumerate(out.prompt_logprobs[1:]):
         assert p.logprob == pytest.approx(ref[k + 1, prompt[k + 2]].item(), abs=1e-4)
+        assert p.text == engine.tokenizer.decode([prompt[k + 2]])
 
 
 def test_abort_frees_everything(engine):

@@ -45,13 +45,16 @@ def inputs(**values) -> list[grpcclient.InferInput]:
 
 
 def ensemble_inputs(prompt: str, stream: bool, params: dict = GREEDY, **extra):
+    """Without the prompt in the answer, unless ``extra`` says otherwise."""
+    extra = {"exclude_input_in_output": True, **extra}
     return inputs(text_input=prompt, stream=stream, sampling_parameters=json.dumps(params),
                   **extra)
 
 
 def llm_inputs(prompt: str, stream: bool, params: dict = GREEDY):
     return inputs(text_input=prompt, stream=stream, sampling_parameters=json.dumps(params),
-                  exclude_input_in_output=True)
+                  exclude_input_in_output=True, return_finish_reason=True,
+                  return_num_input_tokens=True, return_num_output_tokens=True)
 
 
 class Client:
@@ -153,8 +156,10 @@ def test_greedy_text_equals_the_engine_models_streamed_and_whole(client):
         last = ens_stream[-1]
         assert last["final"] and last["finish_reason"] == "length"
         assert [p["final"] for p in ens_stream].count(True) == 1
-        assert all(p["finish_reason"] == "" for p in ens_stream[:-1])
-        assert last["num_output_tokens"] == ens_whole[0]["num_output_tokens"] == 16
+        assert all(p["finish_reason"] == "None" for p in ens_stream[:-1])  # as the engine's
+        # streamed counts are per response, as the engine's (and the vLLM backend's)
+        assert sum(p["num_output_tokens"] for p in ens_stream) \
+            == ens_whole[0]["num_output_tokens"] == 16
         assert last["num_input_tokens"] == ens_whole[0]["num_input_tokens"] \
             == llm_whole[0]["num_input_tokens"]
 
@@ -164,13 +169,15 @@ def test_http_generate_and_generate_stream_through_the_ensemble(triton_server):
     url = f"http://{triton_server.http_url}/v2/models/{ENSEMBLE}"
     whole = requests.post(f"{url}/generate", json=body, timeout=120).json()
     direct = requests.post(f"http://{triton_server.http_url}/v2/models/llm/generate",
-                           json={**body, "exclude_input_in_output": True}, timeout=120).json()
+                           json=body, timeout=120).json()
+    # as the engine model does by default, a whole answer starts with its prompt
     assert whole["text_output"] == direct["text_output"] and whole["finish_reason"] == "length"
+    assert whole["text_output"].startswith(PROMPTS["zh"])
     with requests.post(f"{url}/generate_stream", json={**body, "stream": True}, timeout=120,
                        stream=True) as response:
         events = [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
                   if line.startswith(b"data: ")]
-    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+    assert PROMPTS["zh"] + "".join(e["text_output"] for e in events) == whole["text_output"]
     assert len(events) > 1 and events[-1]["finish_reason"] == "length"
 
 
@@ -180,10 +187,12 @@ def test_chat_messages_are_rendered_by_preprocessing(client, triton_server):
                 "Hugging Face<|im_end|>\n<|im_start|>user\n"
                 "Xin chào, bạn khỏe không?<|im_end|>\n<|im_start|>assistant\n")
     client.send(ENSEMBLE, "chat", inputs(messages=json.dumps(messages), stream=False,
-                                         sampling_parameters=json.dumps(GREEDY)))
+                                         sampling_parameters=json.dumps(GREEDY),
+                                         exclude_input_in_output=True))
     client.send(ENSEMBLE, "flag", inputs(text_input=messages[0]["content"],
                                          apply_chat_template=True, stream=False,
-                                         sampling_parameters=json.dumps(GREEDY)))
+                                         sampling_parameters=json.dumps(GREEDY),
+                                         exclude_input_in_output=True))
     client.send("llm", "direct", llm_inputs(rendered, stream=False))
     got = client.collect(["chat", "flag", "direct"])
     assert text(got["chat"]) == text(got["flag"]) == text(got["direct"])
@@ -203,7 +212,8 @@ def test_bad_chat_input_gets_a_clear_error_and_the_ensemble_keeps_serving(client
     assert isinstance(error, str) and message in error, error
     client.send(ENSEMBLE, "good", ensemble_inputs(PROMPTS["en"], stream=True))
     pieces = client.collect(["good"])["good"]
-    assert pieces[-1]["final"] and pieces[-1]["num_output_tokens"] == 16 and text(pieces)
+    assert pieces[-1]["final"] and sum(p["num_output_tokens"] for p in pieces) == 16
+    assert text(pieces)
 
 
 def test_bad_chat_input_over_http_is_a_400_with_the_reason(triton_server):
@@ -240,3 +250,46 @@ def test_n_samples_without_streaming_decode_each_sample(client, reference_engine
     want = reference_engine.generate(["Xin chào"], params)[0].samples
     assert texts == [s.text for s in want]
     assert [f.decode() for f in result.as_numpy("finish_reason")] == ["length"] * 3
+
+
+def test_exclude_input_in_output_false_returns_the_prompt_as_the_engine_model_does(client):
+    prompt = PROMPTS["vi"]
+    client.send(ENSEMBLE, "kept", ensemble_inputs(prompt, False, exclude_input_in_output=False))
+    client.send("llm", "alone", llm_inputs(prompt, stream=False))
+    got = client.collect(["kept", "alone"])
+    assert text(got["kept"]) == prompt + text(got["alone"])
+    client.send(ENSEMBLE, "streamed", ensemble_inputs(prompt, True, exclude_input_in_output=False))
+    error = client.collect(["streamed"], timeout_s=60)["streamed"]
+    assert "when streaming, exclude_input_in_output = false is not allowed" in error
+
+
+def engine_stats(triton_server) -> dict:
+    body = requests.post(f"http://{triton_server.http_url}/v2/models/llm/generate",
+                         json={"parameters": {"debug": "stats"}}, timeout=60).json()
+    return json.loads(body["stats"])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_cancelling_an_ensemble_request_aborts_it_in_the_engine(triton_server, stream):
+    """Triton hands the cancellation of an ensemble request to its later steps only; the
+    postprocessing step relays it to the engine (a streamed request at its next token, a
+    whole one at the engine's next heartbeat, within about a second)."""
+    grpc = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    events: queue.Queue = queue.Queue()
+    grpc.start_stream(callback=lambda result=None, error=None: events.put((result, error)))
+    params = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    grpc.async_stream_infer(ENSEMBLE, ensemble_inputs(PROMPTS["en"], stream, params),
+                            request_id="long")
+    deadline = time.monotonic() + 60
+    while engine_stats(triton_server)["num_running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    if stream:
+        assert events.get(timeout=60)[1] is None  # it is generating
+    grpc.stop_stream(cancel_requests=True)
+    deadline = time.monotonic() + 10
+    while (stats := engine_stats(triton_server))["num_running"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    assert stats["kv_tokens_in_use_by_requests"] == 0 and stats["integrity_ok"]
+    grpc.close()

@@ -74,7 +74,8 @@ def settled(server, check=lambda m: None, timeout_s: float = 15.0) -> Scrape:
 
 def generate(server, prompt: str, params: dict) -> dict:
     body = {"text_input": prompt, "exclude_input_in_output": True,
-            "sampling_parameters": json.dumps(params)}
+            "sampling_parameters": json.dumps(params), "return_finish_reason": True,
+            **{f"return_num_{kind}_tokens": True for kind in ("input", "output", "cached")}}
     response = requests.post(f"http://{server.http_url}/v2/models/{SERVED_MODEL}/generate",
                              json=body, timeout=120)
     assert response.status_code == 200, response.text

@@ -13,7 +13,8 @@ from radixlm.openai import params, tools
 from radixlm.openai.engine import ModelInfo
 from radixlm.openai.errors import OpenAIError, _field_path
 from radixlm.openai.protocol import ChatCompletionRequest, CompletionRequest
-from radixlm.openai.responses import PromptUsage, Sample, chat_logprobs, usage
+from radixlm.openai.responses import (PromptUsage, Sample, chat_logprobs, completion_logprobs,
+                                    usage)
 from radixlm.results import Chunk
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -37,10 +38,25 @@ def test_sampling_knobs_map_to_the_engines_wire_keys():
     assert params.completion_params(CompletionRequest(model="llm", prompt="x"), 77)["max_tokens"] == 77
 
 
-@pytest.mark.parametrize("want,top,engine", [(False, None, 0), (True, None, 1), (True, 0, 1),
-                                             (True, 1, 2), (True, 5, 5)])
-def test_logprobs_ask_the_engine_for_enough_alternatives(want, top, engine):
+@pytest.mark.parametrize("want,top,engine", [(False, None, None), (True, None, 0), (True, 0, 0),
+                                             (True, 1, 1), (True, 5, 5)])
+def test_logprobs_ask_the_engine_for_the_chosen_token_and_the_top_alternatives(want, top, engine):
     assert params.engine_logprobs(want, top) == engine
+
+
+def test_vllm_extensions_and_logit_bias_pass_to_the_engines_keys():
+    request = chat(min_tokens=4, logit_bias={"17": -100, "5": 2.5}, stop_token_ids=[3],
+                   include_stop_str_in_output=True, allowed_token_ids=[1, 2, 3],
+                   bad_words=["no"], truncate_prompt_tokens=10, logprobs=True)
+    wire = params.chat_params(request, tools.plan(request), default_max_tokens=None)
+    assert wire == {"min_tokens": 4, "logit_bias": {"17": -100, "5": 2.5}, "stop_token_ids": [3],
+                    "include_stop_str_in_output": True, "allowed_token_ids": [1, 2, 3],
+                    "bad_words": ["no"], "truncate_prompt_tokens": 10, "n": 1, "logprobs": 0}
+    completion = CompletionRequest(model="llm", prompt="x", best_of=3, n=2, logprobs=2)
+    sent = params.completion_params(completion, None)
+    assert (sent["best_of"], sent["n"], sent["logprobs"]) == (3, 2, 2)
+    with pytest.raises(ValidationError):
+        chat(logit_bias={"17": 101})
 
 
 @pytest.mark.parametrize("fields,param", [
@@ -125,9 +141,31 @@ def test_usage_counts_the_prompt_once_and_every_samples_tokens():
                                         "prompt_tokens_details": {"cached_tokens": 0}}
 
 
+def test_usage_sums_the_counts_of_a_samples_streamed_responses():
+    sample = Sample()
+    for text, count in (("a", 1), ("", 1), ("bc", 2)):  # the second: a token without text
+        sample.add(Chunk(text=text, num_output_tokens=count))
+    assert sample.num_output_tokens == 4 and "".join(sample.text) == "abc"
+
+
+def _position(*alternatives):
+    return {str(t): {"logprob": lp, "rank": r, "decoded_token": text}
+            for t, lp, r, text in alternatives}
+
+
 def test_chat_logprobs_list_the_best_alternatives_first():
-    items = [{"token_id": 7, "logprob": -1.5, "top_logprobs": {"7": -1.5, "9": -0.5, "3": -2.0}}]
-    out = chat_logprobs(items, {7: "a", 9: "b", 3: "é"}, top=2)
+    # the chosen token (7) first, then the engine's best two, as the engine sends them
+    items = [_position((7, -1.5, 2, "a"), (9, -0.5, 1, "b"), (3, -2.0, 3, "é"))]
+    out = chat_logprobs(items, [7], top=2)
     (entry,) = out["content"]
     assert (entry["token"], entry["logprob"], entry["bytes"]) == ("a", -1.5, [97])
     assert [t["token"] for t in entry["top_logprobs"]] == ["b", "a"]
+
+
+def test_completion_logprobs_keep_the_best_k_when_the_chosen_token_is_not_among_them():
+    items = [_position((5, -3.0, 4, "x"), (9, -0.5, 1, "b"), (2, -1.0, 2, "cd")),
+             _position((2, -0.2, 1, "cd"))]
+    out = completion_logprobs(items, [5, 2], top=2, offset=3)
+    assert out == {"tokens": ["x", "cd"], "token_logprobs": [-3.0, -0.2],
+                   "top_logprobs": [{"b": -0.5, "cd": -1.0}, {"cd": -0.2}],
+                   "text_offset": [3, 4]}

@@ -121,6 +121,22 @@ def test_n_samples_and_top_logprobs(client):
     assert answer.usage.completion_tokens == 12
 
 
+def test_min_tokens_stop_token_ids_and_logit_bias_reach_the_engine(client, engine):
+    first = engine.generate("Count:", max_tokens=1, temperature=0).output_ids[0]
+    stopped = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12,
+                                        temperature=0, extra_body={"stop_token_ids": [first]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    held = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [first], "min_tokens": 6})
+    assert held.usage.completion_tokens >= 6
+    biased = client.completions.create(model=MODEL, prompt="Count:", max_tokens=4, temperature=0,
+                                       logit_bias={"1000": 100}, logprobs=0,
+                                       extra_body={"ignore_eos": True})
+    tokens = biased.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1  # token 1000, four times
+    assert biased.choices[0].text == tokens[0] * 4
+
+
 def test_json_schema_output_parses_and_validates(client):
     answer = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "A person, as JSON."}],

@@ -28,12 +28,12 @@ def test_non_streamed_answer_includes_the_prompt_by_default(triton_server):
     assert text.startswith("Hello there") and len(text) > len("Hello there")
 
 
-def test_n_samples_stream_with_an_index(stream):
+def test_n_samples_stream_an_entry_for_each_in_every_response(stream):
     params = {"temperature": 1.0, "seed": 7, "max_tokens": 3, "n": 2, "ignore_eos": True}
     stream.send("two", grpc_inputs("Pick a number:", params))
     pieces = stream.collect(["two"])["two"]
-    by_index = {i: [p for p in pieces if p["index"] == i] for i in (0, 1)}
-    assert all(sum(len(p["output_ids"]) for p in by_index[i]) == 3 for i in (0, 1))
+    assert all(sorted(p["samples"]) == [0, 1] for p in pieces)
+    assert all(sum(len(p["samples"][i]) for p in pieces) == 3 for i in (0, 1))
     assert [p["final"] for p in pieces].count(True) == 1 and pieces[-1]["final"]
 
 
@@ -67,12 +67,16 @@ def test_choices_are_scored_in_one_response(stream):
     assert all(s["logprob_sum"] < 0 for s in scores)
 
 
-def test_logprobs_are_returned_when_asked(triton_server):
+def test_logprobs_are_returned_when_asked_in_the_vllm_backends_shape(triton_server):
     body = generate_body("Hello", {"temperature": 0, "max_tokens": 3, "logprobs": 2})
     out = http_generate(triton_server, body)
-    logprobs = json.loads(out["logprobs"])
-    assert [lp["token_id"] for lp in logprobs] == out["output_ids"]
-    assert all(lp["logprob"] <= 0 and len(lp["top_logprobs"]) == 2 for lp in logprobs)
+    positions = json.loads(out["logprobs"])
+    assert len(positions) == len(out["output_ids"]) == 3
+    for position, token in zip(positions, out["output_ids"]):
+        chosen = position[str(token)]  # the sampled token, then its alternatives
+        assert chosen["rank"] == 1 and chosen["logprob"] <= 0  # greedy: the likeliest
+        assert 1 <= len(position) <= 3
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in position.values())
 
 
 def test_model_config_gives_clients_the_served_models_chat_template(triton_server):

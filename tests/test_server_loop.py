@@ -8,154 +8,8 @@ import time
 import pytest
 
 from backend import wire
-from backend.core.handle import OutputBatch, ScoreRequest
-from backend.core.outputs import ChoiceScore, StepOutput
-from backend.core.sampling_params import SamplingParams
 from backend.serving import EngineLoop
-
-
-class ScriptedEngine:
-    """Each step emits one token ``t<k>`` (text ``"<k> "``) per unfinished sample."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.reqs: dict[str, dict] = {}
-        self.aborted: list[str] = []
-        self.streamed: dict[str, bool] = {}  # request id -> the stream flag it was added with
-        self.fail_next_step = False
-        self.refused: list[StepOutput] = []  # refusals, returned with the next batch
-
-    def add_request(self, prompt, params, request_id, stream=True):
-        self.streamed[request_id] = stream
-        if prompt == "too long":
-            raise ValueError("prompt has 9999 tokens; the context length is 64")
-        if prompt == "slow reject":  # tracked by the loop for a moment, then refused
-            time.sleep(0.002)
-            raise ValueError("rejected")
-        with self.lock:
-            self.reqs[request_id] = {"params": params, "made": [0] * params.n, "abort": False,
-                                     "score": None}
-        return request_id
-
-    def add_score_request(self, prompt, choices, request_id):
-        with self.lock:
-            self.reqs[request_id] = {"params": SamplingParams(max_new_tokens=1), "made": [0],
-                                     "abort": False, "score": choices}
-        return request_id
-
-    def abort(self, rid):
-        with self.lock:
-            self.aborted.append(rid)
-            if rid in self.reqs:
-                self.reqs[rid]["abort"] = True
-
-    def has_work(self):
-        return bool(self.reqs)
-
-    def wait_for_work(self, timeout):
-        time.sleep(min(timeout, 0.005))
-        return self.has_work()
-
-    def step(self):
-        if self.fail_next_step:
-            self.fail_next_step = False
-            raise RuntimeError("kernel exploded")
-        time.sleep(0.002)
-        outs = []
-        with self.lock:
-            for rid, r in list(self.reqs.items()):
-                if r["score"] is not None:
-                    scores = [ChoiceScore(c, -1.0 * (i + 1), 2, [-0.5, -0.5 * (i + 1)])
-                              for i, c in enumerate(r["score"])]
-                    outs.append(StepOutput(request_id=rid, finished=True, finish_reason="stop",
-                                           num_prompt_tokens=3, choice_scores=scores))
-                    del self.reqs[rid]
-                    continue
-                for i, made in enumerate(r["made"]):
-                    if made < 0:
-                        continue
-                    if r["abort"]:
-                        outs.append(StepOutput(request_id=rid, index=i, finished=True,
-                                               finish_reason="abort", num_prompt_tokens=3,
-                                               num_output_tokens=made))
-                        r["made"][i] = -1
-                        continue
-                    made += 1
-                    done = made >= r["params"].max_new_tokens
-                    outs.append(StepOutput(request_id=rid, index=i, new_token_ids=[made],
-                                           new_text=f"{made} ", finished=done,
-                                           finish_reason="length" if done else None,
-                                           num_prompt_tokens=3, num_cached_tokens=1,
-                                           num_output_tokens=made, context_token_ids=[made - 1]))
-                    r["made"][i] = -1 if done else made
-                if all(m < 0 for m in r["made"]):
-                    del self.reqs[rid]
-        return outs
-
-    def stats(self):
-        return {"num_running": len(self.reqs), "num_waiting": 0}
-
-    def check_integrity(self):
-        pass
-
-    # the EngineHandle the loop uses, over the script above
-    def submit(self, request):
-        try:
-            if isinstance(request, ScoreRequest):
-                self.add_score_request(request.prompt, request.choices, request.request_id)
-            else:
-                self.add_request(request.prompt, request.params, request.request_id,
-                                 request.stream)
-        except ValueError as exc:
-            with self.lock:
-                self.refused.append(StepOutput.refusal(request.request_id, str(exc)))
-
-    def next_outputs(self, timeout_s):
-        with self.lock:
-            refused, self.refused = self.refused, []
-        if not self.reqs:
-            time.sleep(min(timeout_s, 0.005))
-            return OutputBatch(refused, time.time())
-        try:
-            return OutputBatch(refused + self.step(), time.time())
-        except RuntimeError as exc:
-            return OutputBatch(refused, time.time(), step_error=f"engine error: {exc}")
-
-    def prompt_text(self, token_ids):
-        return " ".join(map(str, token_ids))
-
-    def close(self, timeout_s=10.0):
-        pass
-
-
-class RecordingSink:
-    wanted = None  # every output
-
-    def __init__(self) -> None:
-        self.responses: list[tuple[dict, bool]] = []
-        self.errors: list[tuple[str, bool]] = []
-        self.cancelled = False
-        self.closed = threading.Event()
-        self.calls_after_final = 0  # Triton frees a request's sender at its final response
-
-    def send(self, outputs, final):
-        self.calls_after_final += self.closed.is_set()
-        self.responses.append((outputs, final))
-        if final:
-            self.closed.set()
-
-    def send_error(self, message, cancelled=False):
-        self.calls_after_final += self.closed.is_set()
-        self.errors.append((message, cancelled))
-        self.closed.set()
-
-    def is_cancelled(self):
-        self.calls_after_final += self.closed.is_set()
-        time.sleep(0.0002)  # an IPC round trip: the final may be sent meanwhile
-        return self.cancelled
-
-    def texts(self):
-        return [o[wire.TEXT_OUTPUT][0].decode() for o, _ in self.responses]
+from loop_helpers import EVERY_OUTPUT, RecordingSink, ScriptedEngine, entries, generate, ids_of
 
 
 @pytest.fixture
@@ -167,15 +21,6 @@ def loop():
     loop.stop(timeout_s=5)
 
 
-def generate(prompt="hi", stream=True, prepend=False, **params):
-    return wire.GenerateJob(prompt, SamplingParams(**params), stream, prepend)
-
-
-def ids_of(sink, index=None):
-    return [i for o, _ in sink.responses if index is None or int(o[wire.INDEX][0]) == index
-            for i in o[wire.OUTPUT_IDS]]
-
-
 def test_streaming_sends_every_token_once_and_flags_only_the_last(loop):
     sink = RecordingSink()
     loop.submit(generate(max_new_tokens=3), sink)
@@ -185,7 +30,12 @@ def test_streaming_sends_every_token_once_and_flags_only_the_last(loop):
     assert [final for _, final in sink.responses][-1] is True
     assert not any(final for _, final in sink.responses[:-1])
     last = sink.responses[-1][0]
-    assert last[wire.FINISH_REASON][0] == b"length" and last[wire.NUM_OUTPUT_TOKENS][0] == 3
+    assert last[wire.FINISH_REASON][0] == b"length"
+    assert [o[wire.FINISH_REASON][0] for o, _ in sink.responses[:-1]] == \
+        [b"None"] * (len(sink.responses) - 1)  # as the vLLM backend says "still running"
+    # streamed: each response counts its own tokens, as the vLLM backend does
+    counts = [int(o[wire.NUM_OUTPUT_TOKENS][0]) for o, _ in sink.responses]
+    assert sum(counts) == 3 and counts == [len(o[wire.OUTPUT_IDS]) for o, _ in sink.responses]
     for out, _ in sink.responses:  # context: the id just before the response's first id
         assert list(out[wire.CONTEXT_IDS]) == [out[wire.OUTPUT_IDS][0] - 1]
     assert loop.num_active() == 0
@@ -215,7 +65,7 @@ def test_a_slow_sender_gets_the_tokens_of_several_steps_per_response():
         assert "".join(sink.texts()) == "".join(f"{k} " for k in range(1, 41))
         assert len(sink.responses) < 20  # one send per step would take 40 x 30 ms
         assert [final for _, final in sink.responses].count(True) == 1 and sink.responses[-1][1]
-        assert sink.responses[-1][0][wire.NUM_OUTPUT_TOKENS][0] == 40
+        assert sum(int(o[wire.NUM_OUTPUT_TOKENS][0]) for o, _ in sink.responses) == 40
     finally:
         loop.stop(timeout_s=5)
 
@@ -233,7 +83,7 @@ def test_a_slow_sender_merges_each_samples_tokens_apart():
         loop.stop(timeout_s=5)
     assert ids_of(sink, 0) == list(range(1, 31)) and ids_of(sink, 1) == list(range(1, 31))
     assert len(sink.responses) < 30  # 60 step outputs
-    assert any(len(o[wire.OUTPUT_IDS]) > 1 for o, _ in sink.responses)
+    assert any(len(ids) > 1 for o, _ in sink.responses for _, ids, _ in entries(o))
     for out, _ in sink.responses:  # context: the id before each response's first id
         assert list(out[wire.CONTEXT_IDS]) == [out[wire.OUTPUT_IDS][0] - 1]
     assert [final for _, final in sink.responses].count(True) == 1 and sink.responses[-1][1]
@@ -298,13 +148,14 @@ def test_non_streaming_sends_one_response_with_everything_and_the_prompt(loop):
 def test_the_engine_detokenizes_every_step_only_for_streamed_text(loop, stream, wanted, per_step):
     sink = RecordingSink()
     sink.wanted = wanted
-    loop.submit(generate(stream=stream, max_new_tokens=2), sink)
+    outputs = EVERY_OUTPUT if wanted is None else wanted - {wire.TEXT_OUTPUT}
+    loop.submit(generate(stream=stream, max_new_tokens=2, outputs=outputs), sink)
     assert sink.closed.wait(5)
     assert list(loop.engine.streamed.values()) == [per_step]
     if wanted is None or wire.OUTPUT_IDS in wanted:  # the tokens arrive either way
         assert [i for o, _ in sink.responses for i in o[wire.OUTPUT_IDS]] == [1, 2]
-    if wanted is not None:  # only what the client asked for is built
-        assert all(set(o) == wanted for o, _ in sink.responses)
+    if wanted is not None:  # only what the client asked for is built (and the text)
+        assert all(set(o) == wanted | {wire.TEXT_OUTPUT} for o, _ in sink.responses)
 
 
 def test_rejected_prompt_gets_an_error_and_is_not_tracked(loop):
@@ -348,6 +199,10 @@ def test_n_samples_stream_with_their_index_and_one_final(loop):
     assert sink.closed.wait(5)
     assert ids_of(sink, 0) == [1, 2] and ids_of(sink, 1) == [1, 2]
     assert [final for _, final in sink.responses].count(True) == 1 and sink.responses[-1][1]
+    # as the vLLM backend streams n samples: every response has an entry for each
+    for out, _ in sink.responses:
+        assert [k for k, _, _ in entries(out)] == [0, 1] and len(out[wire.TEXT_OUTPUT]) == 2
+    assert [reason for _, _, reason in entries(sink.responses[-1][0])] == ["length", "length"]
 
 
 def test_score_request_gets_one_response_with_choice_scores(loop):

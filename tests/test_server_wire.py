@@ -1,4 +1,5 @@
-"""The server's wire contract (backend/wire.py): request parsing and response encoding."""
+"""The server's wire contract (backend/wire.py): request parsing and response encoding
+(backend/wire_outputs.py)."""
 from __future__ import annotations
 
 import json
@@ -6,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from backend import model_config, wire
+from backend import model_config, wire, wire_outputs
 from backend.core.outputs import TokenLogprob
+from backend.wire_outputs import SampleOutput
 
 
 def text(value: str) -> np.ndarray:
@@ -45,7 +47,7 @@ def test_non_streamed_answers_include_the_prompt_unless_excluded():
 
 
 def test_input_ids_prompt():
-    job = parse(input_ids=np.array([5, 6, 7], dtype=np.int32))
+    job = parse(input_ids=np.array([5, 6, 7], dtype=np.int64))
     assert job.prompt == [5, 6, 7]
     # plain Python ints: the engine refuses anything that is not an int (numpy's included)
     assert all(type(t) is int for t in job.prompt)
@@ -56,8 +58,34 @@ def test_choices_make_a_score_job():
     assert job == wire.ScoreJob("Capital of France?", ["Paris", "Rome"])
 
 
-def test_debug_stats_parameter():
+def test_debug_parameter_asks_for_stats_or_a_cache_flush_and_cancel_names_a_token():
     assert parse({"debug": "stats"}) == wire.StatsJob()
+    assert parse({"debug": "flush_cache"}) == wire.StatsJob(flush_cache=True)
+    assert parse({"cancel": "5e1f"}) == wire.CancelJob("5e1f")
+
+
+def test_optional_outputs_are_asked_by_return_flags_or_by_name():
+    assert parse(text_input=text("a")).outputs == frozenset()
+    asked = parse({"return_num_input_tokens": True}, text_input=text("a"),
+                  return_finish_reason=flag(True), return_logprobs=flag(False))
+    assert asked.outputs == {wire.FINISH_REASON, wire.NUM_INPUT_TOKENS}
+    named = wire.parse_request({"text_input": text("a")}, {},
+                               requested=frozenset({wire.TEXT_OUTPUT, wire.OUTPUT_IDS}))
+    assert named.outputs == {wire.OUTPUT_IDS}
+    # Triton reports every output as requested when a request names none
+    unnamed = wire.parse_request({"text_input": text("a")}, {}, requested=wire.OUTPUT_NAMES)
+    assert unnamed.outputs == frozenset()
+    cumulative = parse(text_input=text("a"), return_cumulative_logprob=flag(True))
+    assert cumulative.params.cumulative_logprob is True  # the engine computes them then
+
+
+def test_streaming_refuses_the_prompt_in_the_output_and_best_of_above_n():
+    with pytest.raises(wire.InputError, match="when streaming, exclude_input_in_output = "
+                                              "false is not allowed"):
+        parse(text_input=text("a"), stream=flag(True), exclude_input_in_output=flag(False))
+    with pytest.raises(wire.InputError, match=r"best_of \(3\) > n \(1\) is not supported "
+                                              "when streaming"):
+        parse({"best_of": 3}, text_input=text("a"), stream=flag(True))
 
 
 @pytest.mark.parametrize("parameters, inputs, message", [
@@ -69,14 +97,19 @@ def test_debug_stats_parameter():
     ({}, {"text_input": text("a"), "sampling_parameters": text("[1]")}, "must be a JSON object"),
     ({}, {"text_input": text("a"), "sampling_parameters": text('{"beam_width": 2}')},
      "unknown sampling parameter(s): beam_width"),
-    ({"max_tokens": 0}, {"text_input": text("a")}, "max_new_tokens must be >= 1"),
+    ({"max_tokens": 0}, {"text_input": text("a")}, "max_tokens must be >= 1"),
+    ({"temperature": "hot"}, {"text_input": text("a")}, "temperature must be a number"),
+    ({}, {"text_input": np.array([5], dtype=np.int64)}, "'text_input' must be a string"),
+    ({"prompt_logprobs_start": 0}, {"text_input": text("a")},
+     "unknown sampling parameter(s): prompt_logprobs_start"),
     ({"stream": "yes"}, {"text_input": text("a")}, "parameter 'stream' must be a boolean"),
-    ({}, {"input_ids": np.array([], dtype=np.int32)}, "non-empty 1-D"),
-    ({}, {"input_ids": np.array([1, -2], dtype=np.int32)}, "negative token id"),
-    ({}, {"input_ids": np.array([1.5], dtype=np.float32)}, "must be INT32"),
-    ({}, {"text_input": text("a"), "input_ids": np.array([1], dtype=np.int32)}, "not both"),
+    ({}, {"input_ids": np.array([], dtype=np.int64)}, "non-empty 1-D"),
+    ({}, {"input_ids": np.array([1, -2], dtype=np.int64)}, "negative token id"),
+    ({}, {"input_ids": np.array([1.5], dtype=np.float32)}, "must be INT64"),
+    ({}, {"text_input": text("a"), "input_ids": np.array([1], dtype=np.int64)}, "not both"),
     ({}, {"text_input": text("a"), "choices": text('["ok", ""]')}, "non-empty strings"),
-    ({"debug": "everything"}, {}, "parameter 'debug' must be 'stats'"),
+    ({"debug": "everything"}, {}, "parameter 'debug' must be 'stats' or 'flush_cache'"),
+    ({"cancel": 5}, {}, "parameter 'cancel' must be a cancel_token string"),
 ])
 def test_bad_requests_raise_input_error_with_a_clear_message(parameters, inputs, message):
     with pytest.raises(wire.InputError) as info:
@@ -85,36 +118,53 @@ def test_bad_requests_raise_input_error_with_a_clear_message(parameters, inputs,
 
 
 def test_generation_outputs_encode_every_tensor():
-    out = wire.generation_outputs(
-        text="Sài Gòn", token_ids=[9, 10], context_ids=[8], finish_reason="stop",
-        num_input_tokens=4, num_output_tokens=2, num_cached_tokens=3, index=1,
-        logprobs=[TokenLogprob(9, -0.25, {9: -0.25, 4: -1.5}), TokenLogprob(10, -0.5)])
+    entries = [TokenLogprob(9, -0.25, {9: -0.25, 4: -1.5}, 1, "Sài", {9: "Sài", 4: "x"}),
+               TokenLogprob(10, -0.5, None, 3, " Gòn")]
+    out = wire_outputs.generation_outputs(
+        [SampleOutput(1, "Sài Gòn", [9, 10], "stop", 2, 3, entries, -0.75)],
+        outputs=frozenset(wire.OPTIONAL_OUTPUTS), num_input_tokens=4, context_ids=[8],
+        input_text="prompt", cancel_token="t0k")
     assert out[wire.TEXT_OUTPUT].dtype == np.object_
     assert out[wire.TEXT_OUTPUT][0].decode("utf-8") == "Sài Gòn"
     assert out[wire.OUTPUT_IDS].dtype == np.int32 and list(out[wire.OUTPUT_IDS]) == [9, 10]
     assert out[wire.FINISH_REASON][0] == b"stop"
+    for name in (wire.NUM_INPUT_TOKENS, wire.NUM_OUTPUT_TOKENS, wire.NUM_CACHED_TOKENS):
+        assert out[name].dtype == np.uint32  # as the vLLM backend (and OpenAI frontend) has them
     assert [int(out[k][0]) for k in (wire.NUM_INPUT_TOKENS, wire.NUM_OUTPUT_TOKENS,
                                       wire.NUM_CACHED_TOKENS, wire.INDEX)] == [4, 2, 3, 1]
+    assert out[wire.CUMULATIVE_LOGPROB].dtype == np.float32
+    assert out[wire.CUMULATIVE_LOGPROB][0] == pytest.approx(-0.75)
     assert list(out[wire.CONTEXT_IDS]) == [8]
+    assert (out[wire.INPUT_TEXT][0], out[wire.CANCEL_TOKEN][0]) == (b"prompt", b"t0k")
     assert json.loads(out[wire.LOGPROBS][0]) == [
-        {"token_id": 9, "logprob": -0.25, "top_logprobs": {"9": -0.25, "4": -1.5}},
-        {"token_id": 10, "logprob": -0.5, "top_logprobs": {}},
+        {"9": {"logprob": -0.25, "rank": 1, "decoded_token": "Sài"},
+         "4": {"logprob": -1.5, "rank": 2, "decoded_token": "x"}},
+        {"10": {"logprob": -0.5, "rank": 3, "decoded_token": " Gòn"}},
     ]
 
 
-def test_logprobs_are_left_out_unless_asked():
-    out = wire.generation_outputs(text="", token_ids=[], context_ids=[], finish_reason=None,
-                                  num_input_tokens=1, num_output_tokens=0,
-                                  num_cached_tokens=0, index=0, logprobs=None)
-    assert wire.LOGPROBS not in out and out[wire.FINISH_REASON][0] == b""
+def test_unasked_outputs_are_left_out_and_running_samples_say_none():
+    running = [SampleOutput(0, "", [], None, 0)]
+    assert set(wire_outputs.generation_outputs(running, outputs=frozenset(),
+                                               num_input_tokens=1, context_ids=[])) == \
+        {wire.TEXT_OUTPUT}
+    out = wire_outputs.generation_outputs(running, outputs=frozenset({wire.FINISH_REASON,
+                                                                      wire.LOGPROBS}),
+                                          num_input_tokens=1, context_ids=[])
+    assert out[wire.FINISH_REASON][0] == b"None"  # the vLLM backend's str(None)
+    assert out[wire.LOGPROBS][0] == b"null"  # the request asked for no logprobs
 
 
-def test_every_encoded_tensor_is_declared():
-    declared = {spec["name"] for spec in wire.OUTPUT_SPECS}
-    out = wire.generation_outputs(text="a", token_ids=[1], context_ids=[], finish_reason=None,
-                                  num_input_tokens=1, num_output_tokens=1,
-                                  num_cached_tokens=0, index=0, logprobs=[])
-    assert set(out) | set(wire.stats_outputs({})) | set(wire.score_outputs([], 1, 0)) <= declared
+def test_every_encoded_tensor_is_declared_with_its_type():
+    declared = {spec["name"]: spec["data_type"] for spec in wire.OUTPUT_SPECS}
+    out = wire_outputs.generation_outputs(
+        [SampleOutput(0, "a", [1], None, 1, 0, [], 0.0)], outputs=frozenset(wire.OPTIONAL_OUTPUTS),
+        num_input_tokens=1, context_ids=[], prompt_logprobs=[])
+    numpy_types = {np.object_: "TYPE_STRING", np.int32: "TYPE_INT32", np.uint32: "TYPE_UINT32",
+                   np.float32: "TYPE_FP32"}
+    every = {**out, **wire_outputs.stats_outputs({}), **wire_outputs.score_outputs([], 1, 0)}
+    for name, array in every.items():
+        assert declared[name] == numpy_types[array.dtype.type], name
 
 
 def test_config_parameters_become_an_engine_config(tmp_path):
@@ -172,17 +222,25 @@ def test_model_info_comes_from_the_tokenizer_files(tmp_path):
     assert model_config.read_model_info({"model_path": str(tmp_path / "gone")}, []) == {}
 
 
-def test_generation_outputs_builds_only_the_requested_tensors():
-    kwargs = dict(text="héllo", token_ids=[5, 6], context_ids=[4], finish_reason=None,
-                  num_input_tokens=3, num_output_tokens=2, num_cached_tokens=1, index=0,
-                  logprobs=None)
-    everything = wire.generation_outputs(**kwargs)
-    assert wire.TEXT_OUTPUT in everything and wire.CONTEXT_IDS in everything
-    some = wire.generation_outputs(**kwargs, wanted=frozenset({wire.OUTPUT_IDS, wire.FINISH_REASON}))
-    assert set(some) == {wire.OUTPUT_IDS, wire.FINISH_REASON}
-    assert some[wire.OUTPUT_IDS].tolist() == [5, 6] and some[wire.FINISH_REASON][0] == b""
-    merged = wire.merge_samples([some, some])  # n > 1 without context_ids requested
-    assert merged[wire.OUTPUT_IDS].tolist() == [5, 6, 5, 6] and wire.CONTEXT_IDS not in merged
+def test_limits_bound_the_request_at_parse_time():
+    from backend.core.limits import RequestLimits
+
+    limits = RequestLimits(max_tokens=50, max_choices=2)
+    with pytest.raises(wire.InputError, match="max_tokens is 51; this server allows at most 50"):
+        wire.parse_request({"text_input": text("a")}, {"max_tokens": 51}, limits=limits)
+    with pytest.raises(wire.InputError, match="the number of choices is 3"):
+        wire.parse_request({"text_input": text("a"), "choices": text('["a", "b", "c"]')}, {},
+                           limits=limits)
+
+
+def test_a_scoring_request_may_have_an_empty_prompt_and_the_generate_id_is_not_a_key():
+    assert parse(choices=text('["a", "b"]')) == wire.ScoreJob("", ["a", "b"])
+    assert parse({"id": "42", "max_tokens": 3}, text_input=text("a")).params.max_new_tokens == 3
+
+
+def test_the_vllm_report_custom_metrics_switch():
+    assert model_config.vllm_metrics_wanted({}) is True
+    assert model_config.vllm_metrics_wanted({"REPORT_CUSTOM_METRICS": "false"}) is False
 
 
 def test_request_timeout_parameter_defaults_to_ten_minutes_and_zero_means_none():

@@ -91,15 +91,13 @@ def test_cot_decoding_branches_on_the_first_tokens_top_logprobs(capped):
         assert top and all(len(pair) == 2 and pair[0][0] >= pair[1][0] for pair in top)
 
 
-def test_cot_decoding_with_token_text_runs_or_names_what_the_server_lacks(capped):
-    try:
-        state = cot_decoding.run(question="How many legs do 3 cats have?", get_top_k=3,
-                                 with_text=True)
-    except sgl.ProgramError as error:  # a server whose logprobs carry no token text
-        assert error.var == "get_top_k" and "return_text_in_logprobs" in error.message
-    else:
-        first, _ = state.ret_value
-        assert all(isinstance(t[2], str) for t in first)
+def test_cot_decoding_with_token_text_branches_on_each_tokens_text(capped):
+    state = cot_decoding.run(question="How many legs do 3 cats have?", get_top_k=3,
+                             with_text=True)
+    first, forks = state.ret_value
+    assert len(first) == 3 and all(isinstance(t[2], str) for t in first)
+    for (_, _, text), f in zip(first, forks):  # each branch continues with its token's text
+        assert f.text().endswith(text + f["answer"])
 
 
 def test_readme_examples(capped):

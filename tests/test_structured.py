@@ -657,7 +657,7 @@ def test_known_bad_constraint_is_rejected_at_submission(engine):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(regex="a", choices=["a"]), "at most one of"),
-    (dict(response_format={"type": "xml"}), "unsupported response_format"),
+    (dict(response_format={"type": "xml"}), "response_format.type must be"),
     (dict(choices=[]), "choices must be a non-empty list"),
     (dict(choices=["a", ""]), "choices must be a non-empty list"),
 ])

@@ -39,7 +39,8 @@ def generate(server, prompt: str, params: dict) -> tuple[int, dict]:
     response = requests.post(
         f"http://{server.http_url}/v2/models/{server.model}/generate",
         json={"text_input": prompt, "exclude_input_in_output": True,
-              "sampling_parameters": json.dumps(params)}, timeout=120)
+              "sampling_parameters": json.dumps(params), "return_finish_reason": True,
+              "return_output_ids": True, "return_num_output_tokens": True}, timeout=120)
     body = response.json()
     if "output_ids" in body and not isinstance(body["output_ids"], list):
         body["output_ids"] = [body["output_ids"]]  # Triton writes one-element arrays as scalars
@@ -64,7 +65,9 @@ class Stream:
                   tensor("stream", np.array([True]), "BOOL"),
                   tensor("sampling_parameters",
                          np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
-                  tensor("exclude_input_in_output", np.array([True]), "BOOL")]
+                  tensor("exclude_input_in_output", np.array([True]), "BOOL"),
+                  tensor("return_finish_reason", np.array([True]), "BOOL"),
+                  tensor("return_output_ids", np.array([True]), "BOOL")]
         self.client.async_stream_infer(self.model, inputs, request_id=rid,
                                        enable_empty_final_response=True)
 

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .limits import RequestLimits
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 RADIX_EVICTION_POLICIES = ("adaptive", "lru")  # see eviction.py
@@ -93,6 +97,17 @@ class EngineConfig:
     enable_jump_forward: bool = True
     grammar_compile_threads: int = 2
 
+    # request limits: a request beyond one is refused, naming it (see limits.py)
+    max_tokens_limit: int = 16384  # the largest max_tokens
+    max_prompt_tokens: int | None = None  # None: up to the context length
+    max_n: int = 64  # n and best_of
+    max_choices: int = 256  # choices of one scoring request
+    max_stop_strings: int = 64  # entries of stop, stop_regex, bad_words (each)
+    max_stop_string_chars: int = 1024
+    max_prompt_logprobs_tokens: int = 2048  # prompt positions with logprobs per request
+    # admission bound: new requests are refused while this many wait to be admitted
+    max_waiting_requests: int = 4096
+
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
@@ -139,6 +154,24 @@ class EngineConfig:
             raise ValueError("load_format must be 'auto' or 'dummy'")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton'")
+        for name in ("max_tokens_limit", "max_n", "max_choices", "max_stop_strings",
+                     "max_stop_string_chars", "max_prompt_logprobs_tokens",
+                     "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    @property
+    def limits(self) -> RequestLimits:
+        # imported here: this module stays loadable on its own (the chart's tests load
+        # it by path to check its fields), and limits.py imports the sampling types
+        from .limits import RequestLimits
+
+        return RequestLimits(max_tokens=self.max_tokens_limit, max_n=self.max_n,
+                             max_choices=self.max_choices,
+                             max_stop_strings=self.max_stop_strings,
+                             max_stop_string_chars=self.max_stop_string_chars,
+                             max_prompt_logprobs_tokens=self.max_prompt_logprobs_tokens,
+                             max_prompt_tokens=self.max_prompt_tokens)
 
     @property
     def cuda_graph_batch(self) -> int:

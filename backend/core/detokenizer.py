@@ -83,6 +83,17 @@ class TokenDecoder:
         self.byte_of = _byte_fallback_ids(tokenizer)
         self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.decode = _decode_fn(tokenizer)
+        # at most two entries per vocabulary id (with and without special tokens)
+        self._token_texts: dict[tuple[int, bool], str] = {}
+
+    def token_text(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """One token decoded alone (as logprobs show it); a special token is "" when
+        ``skip_special_tokens``, as the request's text leaves it out."""
+        key = (token_id, skip_special_tokens)
+        text = self._token_texts.get(key)
+        if text is None:
+            text = self._token_texts[key] = self.decode([token_id], skip_special_tokens)
+        return text
 
     @classmethod
     def of(cls, tokenizer_or_decoder) -> "TokenDecoder":

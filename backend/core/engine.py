@@ -74,12 +74,14 @@ class Engine:
         self.grammar = GrammarProvider(self.tokenizer, runner.vocab_size,
                                        sorted(self.eos_token_ids), config.grammar_compile_threads)
         self.intake = RequestIntake(self.tokenizer, runner.vocab_size, self.context_len,
-                                    runner.kv_pool.size, self.cache.enabled, self.grammar)
+                                    runner.kv_pool.size, self.cache.enabled, self.grammar,
+                                    sorted(self.eos_token_ids), config.limits)
         self.groups = RequestGroups()
         self.counters = EngineCounters()
         self.forward_step = ForwardStep(runner, self.grammar)
         self.processor = StepProcessor(self.scheduler, self.groups, self.grammar, self.counters,
-                                       self.eos_token_ids, self.context_len)
+                                       self.eos_token_ids, self.context_len,
+                                       self.intake.decoder)
         self._inflight: InFlight | None = None
 
     def _make_cache(self) -> RadixCache:
@@ -99,6 +101,7 @@ class Engine:
         of it (the text is decoded once instead of every step)."""
         params = _as_params(sampling_params)
         gid = request_id or uuid.uuid4().hex
+        self._check_admission()
         reqs = self.intake.samples(gid, prompt, params, stream)
         self.groups.claim(gid)
         self._inbox.post(NewGroup(Group(gid, reqs)))
@@ -109,6 +112,7 @@ class Engine:
         """Score each continuation of ``prompt``: its one StepOutput carries
         ``choice_scores`` (sum and mean logprob of the choice's tokens)."""
         gid = request_id or uuid.uuid4().hex
+        self._check_admission()
         reqs = self.intake.choices(gid, prompt, choices)
         self.groups.claim(gid)
         self._inbox.post(NewGroup(Group(gid, reqs, list(choices))))
@@ -116,6 +120,21 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.post(AbortGroup(request_id))
+
+    def _check_admission(self) -> None:
+        """The admission bound: refuse new work while too much waits (any thread; the
+        counts are read without a lock, which is close enough for a bound)."""
+        waiting = len(self.scheduler.waiting) + len(self._inbox)
+        bound = self.config.max_waiting_requests
+        if waiting >= bound:
+            raise ValueError(f"the server is busy: {waiting} requests are waiting to be "
+                             f"admitted (model config max_waiting_requests = {bound}); "
+                             "retry later")
+
+    def flush_cache(self) -> int:
+        """Drop every cached prefix that no running request holds (loop thread only, or
+        with the loop idle); returns how many KV slots came back."""
+        return self.cache.evict(self.cache.total_size())
 
     # ------------------------------------------------------------------ EngineHandle
     def submit(self, request: Submission) -> None:
@@ -275,6 +294,7 @@ class Engine:
                 r.num_computed - r.tree_owned_len for r in self.scheduler.running),
             "radix_cache_tokens": self.cache.total_size(),
             "num_retractions": self.scheduler.num_retractions,
+            "context_len": self.context_len,
             **dataclasses.asdict(self.counters),
             **self._host_tier_stats(),
         }

@@ -34,6 +34,11 @@ def placeholder(row: int) -> int:
     return -(row + 1)
 
 
+# prompt rows scored at once: their logits are copied (and exponentiated) in blocks,
+# so a long prompt's logprobs never hold a second [prompt tokens, vocab] tensor
+PROMPT_LOGPROB_BLOCK = 256
+
+
 class PromptRow(NamedTuple):
     """A prompt token whose logprob a step computes."""
 
@@ -43,17 +48,20 @@ class PromptRow(NamedTuple):
 
 
 class SampledLogprobs(NamedTuple):
-    """Logprobs of a step's sampled tokens, on the host; row i is sampled row i."""
+    """Logprobs of a step's sampled (or prompt) tokens, on the host, row by row."""
 
     chosen: list[float]
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    ranks: list[int] | None = None
 
-    def record(self, row: int, token_id: int, with_top: bool) -> TokenLogprob:
+    def record(self, row: int, token_id: int, num_top: int) -> TokenLogprob:
+        """Row ``row``'s token with its ``num_top`` best alternatives (none for 0)."""
         top = None
-        if with_top and self.top_ids is not None:
-            top = dict(zip(self.top_ids[row], self.top_logprobs[row]))
-        return TokenLogprob(token_id, self.chosen[row], top)
+        if num_top > 0 and self.top_ids is not None:
+            top = dict(zip(self.top_ids[row][:num_top], self.top_logprobs[row][:num_top]))
+        rank = self.ranks[row] if self.ranks is not None else None
+        return TokenLogprob(token_id, self.chosen[row], top, rank)
 
 
 @dataclass
@@ -62,7 +70,7 @@ class StepResults:
 
     token_ids: list[int]  # one per sampled item, in order
     logprobs: SampledLogprobs | None
-    prompt_logprobs: list[float]  # one per prompt row, in order
+    prompt_logprobs: SampledLogprobs | None  # one row per prompt row, in order
 
 
 @dataclass
@@ -75,7 +83,7 @@ class InFlight:
     tokens_host: torch.Tensor | None  # pinned copy of result.token_ids, filled asynchronously
     done: torch.cuda.Event | None
     prompt_rows: list[PromptRow]
-    prompt_logprobs: torch.Tensor | None
+    prompt_logprobs: tuple | None  # (chosen, ranks, top values, top ids) on the device
 
     def read(self) -> StepResults:
         """The host's one wait per step."""
@@ -90,8 +98,13 @@ class InFlight:
                 tokens = res.token_ids.tolist()
             if res.logprobs is not None:
                 logprobs = SampledLogprobs(res.logprobs.tolist(), _maybe_list(res.top_ids),
-                                           _maybe_list(res.top_logprobs))
-        prompt = self.prompt_logprobs.tolist() if self.prompt_rows else []
+                                           _maybe_list(res.top_logprobs),
+                                           _maybe_list(res.ranks))
+        prompt = None
+        if self.prompt_rows:
+            chosen, ranks, top_vals, top_ids = self.prompt_logprobs
+            prompt = SampledLogprobs(chosen.tolist(), _maybe_list(top_ids),
+                                     _maybe_list(top_vals), ranks.tolist())
         return StepResults(tokens, logprobs, prompt)
 
 
@@ -114,11 +127,7 @@ class ForwardStep:
         sampled = [it for it in items if it.samples]
         logits = runner.run_step(RankStep(plan.table_writes, spec, len(sampled)),
                                  self.last_tokens)
-        prompt_lp = None
-        if prompt_rows:
-            idx = self.to_device([row.logits_row for row in prompt_rows])
-            tok = self.to_device([row.token_id for row in prompt_rows])
-            prompt_lp = torch.log_softmax(logits[idx], dim=-1).gather(1, tok.unsqueeze(1)).squeeze(1)
+        prompt_lp = self._prompt_logprobs(logits, prompt_rows) if prompt_rows else None
         result = tokens_host = done = None
         if sampled:
             result = self._sample(self._rows(logits, sample_rows), [it.req for it in sampled])
@@ -151,7 +160,7 @@ class ForwardStep:
             locs += it.new_slots
             if r.wants_prompt_logprobs:
                 # the logit at position p scores prompt token p + 1
-                first = max(r.params.prompt_logprobs_start, 1) - 1
+                first = max(r.prompt_logprobs_start, 1) - 1
                 for p in range(max(a, first), min(a + n, len(r.origin_input_ids) - 1)):
                     prompt_rows.append(PromptRow(r, len(logits_idx), r.origin_input_ids[p + 1]))
                     logits_idx.append(offset + p - a)
@@ -192,6 +201,25 @@ class ForwardStep:
                          out_cache_loc=locs, positions=positions,
                          num_placeholders=placeholders)
 
+    def _prompt_logprobs(self, logits: torch.Tensor, rows: list[PromptRow]) -> tuple:
+        """Each prompt row's token logprob and rank, and the best alternatives when a
+        request asks for them, computed PROMPT_LOGPROB_BLOCK rows at a time."""
+        num_top = max(row.req.params.prompt_logprobs or 0 for row in rows)
+        parts: list[tuple] = []
+        for a in range(0, len(rows), PROMPT_LOGPROB_BLOCK):
+            block = rows[a:a + PROMPT_LOGPROB_BLOCK]
+            x = logits.index_select(0, self.to_device([r.logits_row for r in block])).float()
+            tok = self.to_device([r.token_id for r in block]).unsqueeze(1)
+            norm = torch.logsumexp(x, dim=-1, keepdim=True)
+            chosen = x.gather(1, tok)
+            ranks = (x > chosen).sum(dim=-1) + 1
+            top = x.topk(num_top, dim=-1) if num_top else None
+            parts.append(((chosen - norm).squeeze(1), ranks,
+                          top.values - norm if top else None, top.indices if top else None))
+        chosen, ranks, top_vals, top_ids = zip(*parts)
+        return (torch.cat(chosen), torch.cat(ranks),
+                torch.cat(top_vals) if num_top else None, torch.cat(top_ids) if num_top else None)
+
     def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``logits[rows]`` without a host sync. Indexing a CUDA tensor with a Python list
         copies the list from pageable memory, which waits for the stream to drain: the
@@ -206,24 +234,25 @@ class ForwardStep:
             return None
         gen = self._generators.get(req)
         if gen is None:  # seeded per sample: sample i of a request draws its own stream
-            gen = torch.Generator(device=self.runner.device).manual_seed(seed + req.index)
+            gen = torch.Generator(device=self.runner.device).manual_seed(
+                (seed + req.index) % (1 << 64))
             self._generators[req] = gen
         return gen
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
         if all(r.plain_greedy and r.grammar is None for r in reqs):
             return SampleResult(logits.argmax(dim=-1), None, None, None)
-        rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, self._generator(r))
-                for r in reqs]
-        top = max(r.params.logprobs for r in reqs)
+        rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, self._generator(r),
+                            r.rules) for r in reqs]
+        top = max(r.params.logprobs or 0 for r in reqs)
+        want = any(r.params.wants_token_logprobs for r in reqs)
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:
             grammar = self.grammar.get()
             bitmask = grammar.allocate_bitmask(len(reqs))
             grammar.fill_bitmasks(bitmask, [(reqs[i].grammar, i) for i in constrained])
             grammar.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), constrained)
-        return sample(logits, rows, self.to_device, num_top_logprobs=top if top > 1 else 0,
-                      want_logprobs=top > 0)
+        return sample(logits, rows, self.to_device, num_top_logprobs=top, want_logprobs=want)
 
 
 def _maybe_list(t):

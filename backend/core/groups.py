@@ -87,8 +87,10 @@ def _score_answer(group: Group) -> StepOutput:
     if not abort:
         scores = []
         for choice, r in zip(group.choices, reqs):
-            lps = [lp.logprob for lp in (r.prompt_logprobs or [])]
-            scores.append(ChoiceScore(choice, float(sum(lps)), len(lps), lps))
+            entries = r.prompt_logprobs or []
+            lps = [lp.logprob for lp in entries]
+            scores.append(ChoiceScore(choice, float(sum(lps)), len(lps), lps,
+                                      [lp.token_id for lp in entries]))
     return StepOutput(request_id=group.group_id, finished=True,
                       finish_reason="abort" if abort else "stop",
                       num_prompt_tokens=len(reqs[0].origin_input_ids),
@@ -96,13 +98,26 @@ def _score_answer(group: Group) -> StepOutput:
                       choice_scores=scores)
 
 
+def best_of(cumulative_logprobs: list[float | None], n: int) -> list[int]:
+    """Indices of the ``n`` samples with the highest cumulative logprob, best first
+    (the earlier sample on a tie; a sample without one ranks last)."""
+    order = sorted(range(len(cumulative_logprobs)), key=lambda i: (
+        cumulative_logprobs[i] is None, -(cumulative_logprobs[i] or 0.0), i))
+    return order[:n]
+
+
 def _whole_result(reqs: list[Req]) -> RequestOutput:
     outs = [RequestOutput(
         request_id=r.group_id, prompt=r.origin_input_ids, token_ids=list(r.output_ids),
         text=r.text_state.text, finish_reason=r.finish_reason,
         num_prompt_tokens=len(r.origin_input_ids), num_cached_tokens=r.num_cached_tokens,
-        logprobs=list(r.logprobs) if r.params.logprobs else None,
-        prompt_logprobs=r.prompt_logprobs, error=r.error) for r in reqs]
+        logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+        prompt_logprobs=reqs[0].prompt_logprobs, error=r.error,
+        cumulative_logprob=r.cumulative_logprob if r.params.wants_token_logprobs else None)
+        for r in reqs]
+    n = reqs[0].params.n
+    if len(outs) > n:  # best_of: the n most likely samples
+        outs = [outs[i] for i in best_of([o.cumulative_logprob for o in outs], n)]
     head = outs[0]
     if len(outs) > 1:
         head.samples = outs

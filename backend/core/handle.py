@@ -85,5 +85,8 @@ class EngineHandle(Protocol):
     def check_integrity(self) -> None:
         """Raise AssertionError when KV slot accounting is broken."""
 
+    def flush_cache(self) -> int:
+        """Drop the cached prefixes no running request holds; the KV slots freed."""
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Release the engine (an in-process one stays usable for offline calls)."""

@@ -47,6 +47,9 @@ class Inbox:
     def __bool__(self) -> bool:
         return bool(self._items)
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def wait(self, has_work, timeout: float | None) -> bool:
         """Wait until ``has_work()`` or a post or ``wake``; True when there is work."""
         if has_work():

@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: dict[int, float] | None = None  # top alternatives (token id -> logprob) when asked
+    logprob: float | None  # None: a prompt's first token (nothing precedes it)
+    top: dict[int, float] | None = None  # top alternatives (token id -> logprob), best first
+    rank: int | None = None  # the token's rank in the distribution (1: the most likely)
+    text: str | None = None  # the token decoded alone (vLLM's decoded_token)
+    top_text: dict[int, str] | None = None  # the same for the alternatives
 
 
 @dataclass(slots=True)
@@ -17,6 +20,7 @@ class ChoiceScore:
     logprob_sum: float
     num_tokens: int
     token_logprobs: list[float]
+    token_ids: list[int] = field(default_factory=list)  # the scored tokens
 
     @property
     def normalized_logprob(self) -> float:
@@ -41,6 +45,8 @@ class StepOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # generated so far, this sample
     logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked
+    # sum of the logprobs of every token of this sample so far, when they are computed
+    cumulative_logprob: float | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first output
     # For a stateless detokenizer (the ensemble's postprocessing): ids that precede
     # new_token_ids, enough to decode the new ids' text exactly (see detokenizer.py).
@@ -50,6 +56,7 @@ class StepOutput:
     # On the final output: seconds from arrival to admission ("queue_time"), to the first
     # token ("time_to_first_token") and to the end ("e2e_latency"), and the mean gap
     # between later tokens ("time_per_output_token", absent with fewer than 2 tokens).
+    # A sample's first output carries the first two.
     timings: dict[str, float] | None = None
 
     @classmethod
@@ -73,6 +80,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     samples: list["RequestOutput"] = field(default_factory=list)  # all n samples when n > 1
     error: str | None = None
+    cumulative_logprob: float | None = None  # when token logprobs were computed
 
 
 @dataclass

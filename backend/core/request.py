@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from .outputs import TokenLogprob
 from .radix_cache import TreeNode
@@ -29,6 +30,32 @@ class ReqStatus(Enum):
     FINISHED = "finished"
 
 
+class LogitRules(NamedTuple):
+    """A request's edits to its logits before each draw, worked out once at intake."""
+
+    bias_ids: list[int]  # logit_bias, as two aligned lists
+    bias_values: list[float]
+    allowed_ids: list[int] | None  # allowed_token_ids
+    bad_word_ids: list[list[int]]  # each bad word's tokens (every tokenization of it)
+    min_tokens: int  # the stop ids are masked while the output is shorter
+    stop_ids: list[int]  # EOS (unless ignore_eos) and stop_token_ids
+
+    @property
+    def reads_output(self) -> bool:
+        """A bad word of several tokens is matched against the output's last tokens,
+        which must be on the host (no overlapped step)."""
+        return any(len(seq) > 1 for seq in self.bad_word_ids)
+
+    def banned_next(self, output_ids: list[int]) -> list[int]:
+        """Token ids the next draw must not pick, given the output so far."""
+        banned = list(self.stop_ids) if len(output_ids) < self.min_tokens else []
+        for seq in self.bad_word_ids:
+            prefix = len(seq) - 1
+            if prefix == 0 or (len(output_ids) >= prefix and output_ids[-prefix:] == seq[:-1]):
+                banned.append(seq[-1])
+        return banned
+
+
 @dataclass(eq=False)
 class Req:
     rid: str  # engine-wide unique id of this sample
@@ -38,6 +65,10 @@ class Req:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
+    rules: LogitRules | None = None
+    # prompt positions from here on get logprobs (sample 0 of a request computes them
+    # for all its samples)
+    prompt_logprobs_start: int | None = None
 
     # KV state
     kv_indices: list[int] = field(default_factory=list)
@@ -63,6 +94,7 @@ class Req:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # of the sampled tokens (when their logprobs are computed)
     prompt_logprobs: list[TokenLogprob] | None = None
     partial_prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # across chunks
     grammar: object | None = None  # grammar.GrammarState when constrained
@@ -72,9 +104,11 @@ class Req:
     def __post_init__(self) -> None:
         # read every step for every request: fixed at creation, as the params are
         p = self.params
-        self.penalized = p.has_penalties
+        # the next draw reads this request's latest tokens on the host
+        self.penalized = p.has_penalties or (self.rules is not None and self.rules.reads_output)
         # its token is the argmax of the raw logits, no logprobs (a grammar may still mask)
-        self.plain_greedy = p.is_greedy and not self.penalized and not p.logprobs
+        self.plain_greedy = (p.is_greedy and not p.has_penalties and self.rules is None
+                             and not p.wants_token_logprobs)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -107,12 +141,12 @@ class Req:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs_start is not None and self.prompt_logprobs is None
+        return self.prompt_logprobs_start is not None and self.prompt_logprobs is None
 
     def max_match_len(self) -> int:
         """How much of fill_ids may come from the cache: at least one token must be
         computed to produce logits, and prompt logprobs need their rows computed."""
         limit = len(self.fill_ids) - 1
         if self.wants_prompt_logprobs:
-            limit = min(limit, max(self.params.prompt_logprobs_start - 1, 0))
+            limit = min(limit, max(self.prompt_logprobs_start - 1, 0))
         return max(limit, 0)

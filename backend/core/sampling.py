@@ -1,8 +1,9 @@
 """Token sampling for a batch of rows of logits: a few pure functions over tensors.
 
-Order per row (as in common serving engines): penalties -> grammar mask -> greedy, or
-temperature -> top-k -> top-p -> min-p -> draw. Logprobs are reported from the raw model
-distribution (before penalties and temperature) so they score the model, not the sampler.
+Order per row (as in common serving engines): penalties -> logit rules (bias, allowed
+tokens, bad words, minimum length) -> grammar mask -> greedy, or temperature -> top-k ->
+top-p -> min-p -> draw. Logprobs (and ranks) are reported from the raw model distribution
+(before penalties and temperature) so they score the model, not the sampler.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .request import LogitRules
 from .sampling_params import SamplingParams
 from .transfer import HostToDevice
 
@@ -22,6 +24,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None
+    rules: LogitRules | None = None
 
 
 @dataclass
@@ -30,6 +33,7 @@ class SampleResult:
     logprobs: torch.Tensor | None  # [B] chosen-token logprobs (raw distribution)
     top_ids: torch.Tensor | None  # [B, K]
     top_logprobs: torch.Tensor | None  # [B, K]
+    ranks: torch.Tensor | None = None  # [B] the chosen token's rank (1: the most likely)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -49,6 +53,27 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             ids = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_rules(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each row's logit bias, allowed tokens, bad words and minimum length."""
+    neg_inf = float("-inf")
+    for i, row in enumerate(rows):
+        rules = row.rules
+        if rules is None:
+            continue
+        if rules.bias_ids:
+            ids = torch.tensor(rules.bias_ids, dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(rules.bias_values, dtype=logits.dtype,
+                                           device=logits.device)
+        if rules.allowed_ids is not None:
+            keep = torch.tensor(rules.allowed_ids, dtype=torch.long, device=logits.device)
+            allowed = logits[i, keep]
+            logits[i].fill_(neg_inf)
+            logits[i, keep] = allowed
+        banned = rules.banned_next(row.output_ids)
+        if banned:
+            logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = neg_inf
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -93,8 +118,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], to_device: HostToDevic
     """Pick one token per row of ``logits`` ([B, V] float32). ``vocab_mask`` ([B, V] bool,
     True = allowed) comes from grammars; ``to_device`` copies the per-row knobs."""
     raw = logits
-    logits = logits.clone() if any(r.params.has_penalties for r in rows) or vocab_mask is not None else logits
+    edits = any(r.params.has_penalties or r.rules is not None for r in rows)
+    logits = logits.clone() if edits or vocab_mask is not None else logits
     apply_penalties(logits, rows)
+    apply_logit_rules(logits, rows)
     if vocab_mask is not None:
         logits.masked_fill_(~vocab_mask, float("-inf"))
 
@@ -117,7 +144,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], to_device: HostToDevic
         return SampleResult(token_ids, None, None, None)
     logp = torch.log_softmax(raw, dim=-1)
     chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logp > chosen.unsqueeze(1)).sum(dim=-1) + 1
     top_ids = top_vals = None
     if num_top_logprobs > 0:
         top_vals, top_ids = logp.topk(num_top_logprobs, dim=-1)
-    return SampleResult(token_ids, chosen, top_ids, top_vals)
+    return SampleResult(token_ids, chosen, top_ids, top_vals, ranks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from .detokenizer import STATELESS_CONTEXT_IDS
+from .detokenizer import STATELESS_CONTEXT_IDS, TokenDecoder
 from .forward_step import InFlight, SampledLogprobs
 from .groups import RequestGroups
 from .intake import GrammarProvider
@@ -21,7 +21,9 @@ from .scheduler import ScheduledItem, Scheduler
 
 class StepProcessor:
     def __init__(self, scheduler: Scheduler, groups: RequestGroups, grammar: GrammarProvider,
-                 counters: EngineCounters, eos_token_ids: set[int], context_len: int) -> None:
+                 counters: EngineCounters, eos_token_ids: set[int], context_len: int,
+                 decoder: TokenDecoder) -> None:
+        self.decoder = decoder  # token texts of logprobs
         self.scheduler = scheduler
         self.groups = groups
         self.grammar = grammar
@@ -32,8 +34,10 @@ class StepProcessor:
     def process(self, flight: InFlight) -> list[StepOutput]:
         """Read a launched step's results (the host's one wait) and account for them."""
         results = flight.read()
-        for row, value in zip(flight.prompt_rows, results.prompt_logprobs):
-            row.req.partial_prompt_logprobs.append(TokenLogprob(row.token_id, value))
+        for i, row in enumerate(flight.prompt_rows):
+            num_top = row.req.params.prompt_logprobs or 0
+            row.req.partial_prompt_logprobs.append(
+                results.prompt_logprobs.record(i, row.token_id, num_top))
         outputs: list[StepOutput] = []
         for it in flight.items:
             if not it.samples and not it.req.finished:
@@ -50,16 +54,19 @@ class StepProcessor:
         p = r.params
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
-            if p.prompt_logprobs_start is not None:
-                r.prompt_logprobs = r.partial_prompt_logprobs
+            if r.prompt_logprobs_start is not None:
+                r.prompt_logprobs = self._prompt_logprobs(r)
         out, i = r.output_ids, it.out_index
         context = _detok_context(r, i)
         # the token replaces its placeholder; a later step's placeholder (overlap) stays
         # after it unless this request ends here
         out[i] = tok
         n_out = i + 1
-        if logprobs is not None and p.logprobs > 0:
-            r.logprobs.append(logprobs.record(row, tok, p.logprobs > 1))
+        if logprobs is not None and p.wants_token_logprobs:
+            entry = logprobs.record(row, tok, p.logprobs or 0)
+            r.cumulative_logprob += entry.logprob
+            if p.logprobs is not None:
+                r.logprobs.append(self._with_texts(entry, p.skip_special_tokens))
         grammar = r.grammar
         if grammar is not None and not grammar.accept(tok):
             r.error = f"token {tok} violates the request's grammar"
@@ -71,7 +78,7 @@ class StepProcessor:
             reason = "stop"  # the stop token's own text is not returned
         else:
             state = r.text_state
-            text = state.add(new_ids)
+            text = state.add(new_ids, check_stop=n_out > p.min_new_tokens)
             if grammar is not None and not state.stopped:
                 del out[n_out:]  # (no overlap with a grammar: nothing after it anyway)
                 new_ids, text = self._jump_forward(r, new_ids, text)
@@ -90,6 +97,27 @@ class StepProcessor:
         if r.is_choice:
             return []
         return [_output(r, new_ids, text, context, n_out)]
+
+    def _with_texts(self, entry: TokenLogprob,
+                    skip_special_tokens: bool = False) -> TokenLogprob:
+        """The entry with its tokens' texts (vLLM's decoded_token; special tokens are ""
+        where the request skips them, so the chosen tokens' texts spell its text)."""
+        decoder = self.decoder
+        entry.text = decoder.token_text(entry.token_id, skip_special_tokens)
+        if entry.top:
+            entry.top_text = {t: decoder.token_text(t, skip_special_tokens) for t in entry.top}
+        return entry
+
+    def _prompt_logprobs(self, r: Req) -> list[TokenLogprob]:
+        """The prompt's logprobs as the request gets them: for scoring, the computed
+        positions; for ``prompt_logprobs``, every position from logprob_start_len on,
+        the first without a logprob (null), each with its token's text."""
+        computed = r.partial_prompt_logprobs
+        if r.params.prompt_logprobs is None:
+            return computed
+        start = r.prompt_logprobs_start - 1
+        first = TokenLogprob(r.origin_input_ids[start], None)
+        return [self._with_texts(e) for e in [first, *computed]]
 
     def _jump_forward(self, r: Req, new_ids: list[int], text: str) -> tuple[list[int], str]:
         """Append the text the grammar forces as tokens, computed next step. Only this
@@ -152,10 +180,13 @@ def _output(r: Req, new_ids: list[int], text: str, context: list[int], n_out: in
                      num_cached_tokens=r.num_cached_tokens, num_output_tokens=n_out,
                      context_token_ids=context)
     if new_ids:
-        if r.params.logprobs:
+        if r.params.logprobs is not None:
             out.logprobs = r.logprobs[-len(new_ids):]
-        if n_out == len(new_ids):
+        if n_out == len(new_ids):  # the sample's first output
             out.prompt_logprobs = r.prompt_logprobs
+            out.timings = _first_timings(r)
+    if r.params.wants_token_logprobs:
+        out.cumulative_logprob = r.cumulative_logprob
     if r.error is not None:
         out.error = r.error
     return out
@@ -172,6 +203,14 @@ def _detok_context(r: Req, end: int | None = None) -> list[int]:
     if end >= k:
         return out[end - k:end]
     return r.text_state.prompt_ids[-(k - end):] + out[:end]
+
+
+def _first_timings(r: Req) -> dict[str, float]:
+    """On a sample's first output: arrival to admission and to the first token."""
+    t = {"time_to_first_token": r.first_token_time - r.arrival}
+    if r.first_admit_time is not None:
+        t["queue_time"] = r.first_admit_time - r.arrival
+    return t
 
 
 def _timings(r: Req) -> dict[str, float]:

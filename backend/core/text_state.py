@@ -1,35 +1,52 @@
-"""Streamed output text of one request: incremental detokenization plus stop strings.
+"""Streamed output text of one request: incremental detokenization plus stop strings
+and stop regular expressions.
 
 Text that could still turn into a stop string is held back until it cannot; a stop
-string and everything after it is never emitted. The pieces a request emits concatenate
-to exactly its final ``text``.
+string and everything after it is never emitted (with ``include_stop``, the stop string
+is, and nothing after it). A stop regular expression is searched in the output's last
+``REGEX_WINDOW`` characters each time text is added; the output ends where the first
+match ends (emitted text is never taken back, so the match is kept). The pieces a
+request emits concatenate to exactly its final ``text``.
 """
 from __future__ import annotations
 
+import re
+
 from .detokenizer import STATELESS_CONTEXT_IDS, IncrementalDetokenizer, TokenDecoder
+
+REGEX_WINDOW = 1024  # characters of the output a stop regex is matched against
 
 
 class TextState:
     def __init__(self, decoder: TokenDecoder, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True, incremental: bool = True) -> None:
+                 skip_special_tokens: bool = True, incremental: bool = True,
+                 stop_regex: list[str] | None = None, include_stop: bool = False) -> None:
         self.decoder, self.skip = decoder, skip_special_tokens
         self.tokenizer = decoder.tokenizer
         self.prompt_ids = _clean_context(self.tokenizer, prompt_ids)
         self.detok = IncrementalDetokenizer(decoder, self.prompt_ids, skip_special_tokens)
+        self.stop_regex = [re.compile(p) for p in stop_regex or ()]
         # Nobody reads the text before the end (no streaming, no stop strings): decode
         # once at the finish instead of every step.
-        self.lazy_ids: list[int] | None = None if incremental or stop else []
+        self.lazy_ids: list[int] | None = \
+            None if incremental or stop or self.stop_regex else []
         self.stop = stop
+        self.include_stop = include_stop
         self.pending = ""  # decoded but held back (may begin a stop string)
         self.text = ""  # emitted so far
         self.stopped = False
 
-    def add(self, token_ids: list[int]) -> str:
+    def add(self, token_ids: list[int], check_stop: bool = True) -> str:
         """Feed new tokens; returns the text that became final. Sets ``stopped`` when a
-        stop string appeared (the text is cut before it)."""
+        stop string appeared (the text is cut before it). ``check_stop=False`` (the
+        output is shorter than min_tokens): no stop is looked for in this text."""
         if self.lazy_ids is not None:
             self.lazy_ids.extend(token_ids)
             return ""
+        if not check_stop:
+            out, self.pending = self.pending + self.detok.add(token_ids), ""
+            self.text += out
+            return out
         return self._emit(self.pending + self.detok.add(token_ids), final=False)
 
     def jump(self, output_ids: list[int]) -> str:
@@ -55,17 +72,31 @@ class TextState:
     def _emit(self, buf: str, final: bool) -> str:
         if self.stopped:
             return ""
-        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
+        if found:
+            cut, stop = min(found, key=lambda f: f[0])
             self.stopped = True
-            out, self.pending = buf[:cut], ""
+            out, self.pending = buf[:cut + len(stop) if self.include_stop else cut], ""
         elif final or not self.stop:
             out, self.pending = buf, ""
         else:
             hold = _partial_stop_len(buf, self.stop)
             out, self.pending = buf[:len(buf) - hold], buf[len(buf) - hold:]
+        if self.stop_regex and out:
+            out = self._regex_cut(out)
         self.text += out
         return out
+
+    def _regex_cut(self, out: str) -> str:
+        """``out`` up to the end of the first stop-regex match that ends inside it."""
+        before = self.text[-REGEX_WINDOW:]
+        tail = before + out
+        ends = [m.end() for rx in self.stop_regex for m in rx.finditer(tail)
+                if m.end() > len(before)]
+        if not ends:
+            return out
+        self.stopped, self.pending = True, ""
+        return out[:min(ends) - len(before)]
 
 
 def _clean_context(tokenizer, prompt_ids: list[int]) -> list[int]:

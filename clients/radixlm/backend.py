@@ -108,5 +108,8 @@ class Triton(BaseBackend):
                 "tokenizer_path": params.get("tokenizer_path") or model_path,
                 "parameters": params}
 
+    def flush_cache(self) -> bool:
+        return self.client.flush_cache()
+
     def close(self) -> None:
         self.client.close()

@@ -123,6 +123,17 @@ class TritonClient:
                 return choice_scores_or_raise(result, request_id)
         raise ServerError("scoring request ended without choice_scores", request_id)
 
+    def flush_cache(self) -> bool:
+        """Ask the server to drop every cached prefix no request uses; False when it
+        refuses (a server may restrict debug requests)."""
+        try:
+            for _ in self._responses([], uuid.uuid4().hex,
+                                     parameters={wire.DEBUG_PARAM: wire.FLUSH_CACHE}):
+                pass
+        except ServerError:
+            return False
+        return True
+
     def cancel(self, request_id: str) -> bool:
         """Cancel an in-flight request; its generate call returns with finish_reason "abort"."""
         with self._lock:
@@ -189,7 +200,8 @@ class TritonClient:
         with self._lock:
             self._idle.append(connection)
 
-    def _responses(self, tensors: list[wire.Tensor], request_id: str):
+    def _responses(self, tensors: list[wire.Tensor], request_id: str,
+                   parameters: dict | None = None):
         """Raw results of one request until its final response (generator)."""
         connection = self._acquire()
         call = _Call(connection)
@@ -202,7 +214,7 @@ class TritonClient:
             connection.start_stream(
                 callback=lambda result=None, error=None: call.responses.put((result, error)))
             connection.async_stream_infer(self.model, to_infer_inputs(tensors),
-                                          request_id=request_id,
+                                          request_id=request_id, parameters=parameters,
                                           enable_empty_final_response=True)
             while True:
                 result, error = call.responses.get()

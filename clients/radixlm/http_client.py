@@ -75,6 +75,15 @@ class HttpTritonClient:
         chunk = wire.decode_chunk(get)
         return ScoreResult(tuple(scores), chunk.num_input_tokens, chunk.num_cached_tokens)
 
+    def flush_cache(self) -> bool:
+        """Ask the server to drop every cached prefix no request uses; False when it
+        refuses (a server may restrict debug requests)."""
+        try:
+            self._post("generate", {"parameters": {wire.DEBUG_PARAM: wire.FLUSH_CACHE}}, None)
+        except ServerError:
+            return False
+        return True
+
     def model_config(self) -> dict:
         if self._config is None:
             url = f"{self.url}/v2/models/{self.model}/config"
@@ -97,9 +106,12 @@ class HttpTritonClient:
 
     # -- plumbing ---------------------------------------------------------------------------
     def _request(self, prompt, params: dict[str, Any], stream: bool) -> dict[str, Any]:
+        params = sampling_params(params)
         request: dict[str, Any] = {
             wire.STREAM: stream, wire.EXCLUDE_INPUT_IN_OUTPUT: True,
-            wire.SAMPLING_PARAMETERS: wire.sampling_json(sampling_params(params)),
+            wire.SAMPLING_PARAMETERS: wire.sampling_json(params),
+            # the server sends an optional output only when its return_* input asks
+            **{flag: True for flag in wire.return_flags(params)},
         }
         if isinstance(prompt, str):
             request[wire.TEXT_INPUT] = prompt

@@ -1,15 +1,20 @@
 """Token log-probabilities as the language hands them to programs: one ``(logprob,
 token_id, text)`` tuple per token, and per position a list of the top alternatives.
 
-The server's ``logprobs`` JSON has one entry per generated token, in either shape:
+The server's ``logprobs`` JSON has one entry per generated token, in the vLLM backend's
+shape (the chosen token and the asked alternatives):
 
-    {"token_id": 5, "logprob": -0.1, "top_logprobs": {"5": -0.1, "9": -2.3}, "text": "a"}
-    {"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}, "9": {...}}   (vLLM backend's)
+    {"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}, "9": {...}}
 
-``text`` (resp. ``decoded_token``) is optional; without it the text slot is None, and a
-program that asked for text (``return_text_in_logprobs``) gets an error instead. Prompt
-positions (``prompt_logprobs``) use the first shape; the first prompt token has no
-logprob (null).
+Prompt positions (``prompt_logprobs``) carry the token itself, since the client does not
+know the prompt's ids (the first position has no logprob: null):
+
+    {"token_id": 5, "logprob": -0.1, "rank": 1, "text": "a",
+     "top_logprobs": {"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}, ...}}
+
+(``top_logprobs`` values may also be bare floats.) Token text is optional; without it
+the text slot is None, and a program that asked for text (``return_text_in_logprobs``)
+gets an error instead.
 """
 from __future__ import annotations
 
@@ -37,9 +42,11 @@ def _float(value) -> float | None:
 
 def _top_entries(entry: dict[str, Any]) -> list[TokenLogprob]:
     """All alternatives of one position, best first."""
-    if "token_id" in entry or "logprob" in entry:  # our shape
+    if "token_id" in entry or "logprob" in entry:  # a prompt position
         top = entry.get("top_logprobs") or {}
-        items = [TokenLogprob(_float(lp), int(tid), None) for tid, lp in top.items()]
+        items = [TokenLogprob(_float(v.get("logprob")), int(tid), v.get("decoded_token"))
+                 if isinstance(v, dict) else TokenLogprob(_float(v), int(tid), None)
+                 for tid, v in top.items()]
     else:  # vLLM's: token id -> {logprob, rank, decoded_token}
         items = [TokenLogprob(_float(v.get("logprob")), int(tid), v.get("decoded_token"))
                  for tid, v in entry.items()]

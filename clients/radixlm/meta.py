@@ -66,8 +66,8 @@ def _logprob_meta(r: GenerateResult, wire: WireGen) -> dict[str, Any]:
     if wire.prompt_logprobs:
         if r.prompt_logprobs is None:
             raise ValueError("input_token_logprobs: logprob_start_len asks for the prompt's "
-                             "logprobs, and the server sent none (its 'prompt_logprobs' output "
-                             "for 'prompt_logprobs_start')")
+                             "logprobs, and the server sent none (its 'prompt_logprobs' "
+                             "output)")
         prompt = logprobs.parse(r.prompt_logprobs, [], wire.top_logprobs_num, wire.want_text,
                                 "input_token_logprobs")
         meta["input_token_logprobs"] = prompt.tokens

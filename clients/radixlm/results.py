@@ -12,10 +12,10 @@ class Chunk(NamedTuple):
     output_ids: tuple[int, ...] = ()
     finish_reason: str = ""  # "" until this sample's last chunk
     num_input_tokens: int = 0
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # this chunk's tokens (streamed: the new ones only)
     num_cached_tokens: int = 0
     logprobs: Any = None  # the server's logprobs JSON of this chunk's tokens
-    prompt_logprobs: Any = None  # the prompt's, when asked (prompt_logprobs_start)
+    prompt_logprobs: Any = None  # the prompt's, when asked (prompt_logprobs)
 
 
 class GenerateResult(NamedTuple):
@@ -76,7 +76,7 @@ def merge_chunks(chunks: list[Chunk]) -> GenerateResult:
                                "abort"),
             output_ids=tuple(t for c in parts for t in c.output_ids),
             num_input_tokens=max(c.num_input_tokens for c in parts),
-            num_output_tokens=max(last.num_output_tokens, sum(len(c.output_ids) for c in parts)),
+            num_output_tokens=sum(c.num_output_tokens for c in parts),
             num_cached_tokens=max(c.num_cached_tokens for c in parts),
             index=index,
             logprobs=logprobs or None,

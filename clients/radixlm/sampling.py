@@ -2,8 +2,8 @@
 
 The names differ where the wire follows vLLM (``max_new_tokens`` -> ``max_tokens``,
 ``min_new_tokens`` -> ``min_tokens``); typed generation becomes a regex; the logprob
-options become ``logprobs`` (how many alternatives per token) and
-``prompt_logprobs_start``.
+options become vLLM's ``logprobs`` and ``prompt_logprobs`` (how many alternatives per
+token, 0 for the token's own logprob only) and ``logprob_start_len``.
 """
 from __future__ import annotations
 
@@ -70,10 +70,10 @@ def to_wire(p: GenParams) -> WireGen:
     prompt_logprobs = return_logprob and p.logprob_start_len is not None \
         and p.logprob_start_len >= 0
     if return_logprob:
-        # The server returns alternatives only when asked for two or more.
-        params["logprobs"] = max(top_n, 2) if top_n else 1
+        params["logprobs"] = top_n
     if prompt_logprobs:
-        params["prompt_logprobs_start"] = p.logprob_start_len
+        params["prompt_logprobs"] = top_n
+        params["logprob_start_len"] = p.logprob_start_len
     return WireGen(params, prefill_only, return_logprob, top_n, prompt_logprobs,
                    bool(p.return_text_in_logprobs) and return_logprob, int(p.n or 1))
 

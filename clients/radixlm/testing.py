@@ -36,10 +36,10 @@ class FakeBackend(BaseBackend):
 
     It speaks the wire's sampling keys (unknown ones raise as the server's would) and the
     logprob contract the language reads: with ``logprobs`` k, each character's logprob is
-    -1.0 and its alternatives are the next k-1 characters at -2.0, -3.0, ... (in the vLLM
-    backend's shape, with token text; ``token_text=False``: today's server's shape,
-    without); with ``prompt_logprobs_start`` the prompt's characters from there get -0.5
-    (the first prompt character none).
+    -1.0 and its k alternatives are it and the next k characters at -1.0, -2.0, ... (in
+    the vLLM backend's shape, with token text; ``token_text=False``: a shape without token
+    text); with ``prompt_logprobs`` the prompt's characters from ``logprob_start_len`` get
+    -0.5 (the first of them none).
     """
 
     def __init__(self, reply: Reply = _default_reply, scorer: Scorer = _default_scorer,
@@ -82,15 +82,16 @@ class FakeBackend(BaseBackend):
             for i in range(0, len(text), self.piece_size):
                 on_text(text[i:i + self.piece_size])
         self._remember(prompt + text)
-        start = params.get("prompt_logprobs_start")
+        start = params.get("logprob_start_len", 0) \
+            if params.get("prompt_logprobs") is not None else None
         return GenerateResult(
             text=text, finish_reason=finish_reason, output_ids=tuple(ord(c) for c in text),
             num_input_tokens=len(prompt), num_output_tokens=len(text), num_cached_tokens=cached,
             index=index,
             logprobs=[self._logprob(c, params["logprobs"]) for c in text]
-            if params.get("logprobs") else None,
+            if params.get("logprobs") is not None else None,
             prompt_logprobs=None if start is None else [
-                {"token_id": ord(c), "logprob": None if i == 0 else -0.5,
+                {"token_id": ord(c), "logprob": None if i == start else -0.5,
                  **({"text": c} if self.token_text else {})}
                 for i, c in enumerate(prompt) if i >= start])
 
@@ -98,9 +99,9 @@ class FakeBackend(BaseBackend):
         if self.token_text:  # the vLLM backend's shape, which carries the token text
             return {str(ord(char) + j): {"logprob": -1.0 - j, "rank": j + 1,
                                          "decoded_token": chr(ord(char) + j)}
-                    for j in range(max(k, 1))}
-        top = {str(ord(char) + j): -1.0 - j for j in range(k)} if k > 1 else {}
-        return {"token_id": ord(char), "logprob": -1.0, "top_logprobs": top}
+                    for j in range(k + 1)}
+        return {str(ord(char) + j): {"logprob": -1.0 - j, "rank": j + 1}
+                for j in range(k + 1)}
 
     def score(self, prompt: str, choices: Sequence[str]) -> ScoreResult:
         with self._enter("score", prompt, {"choices": list(choices)}) as cached:

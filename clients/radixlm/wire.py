@@ -23,57 +23,67 @@ STREAM = "stream"
 SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 CHOICES = "choices"
-INPUTS = {
-    TEXT_INPUT: ("BYTES", [1]),
-    INPUT_IDS: ("INT32", [-1]),
-    STREAM: ("BOOL", [1]),
-    SAMPLING_PARAMETERS: ("BYTES", [1]),
-    EXCLUDE_INPUT_IN_OUTPUT: ("BOOL", [1]),
-    CHOICES: ("BYTES", [1]),
-}
 
 # Outputs: name -> datatype.
 TEXT_OUTPUT = "text_output"
 OUTPUT_IDS = "output_ids"
 FINISH_REASON = "finish_reason"
+CUMULATIVE_LOGPROB = "cumulative_logprob"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
 NUM_CACHED_TOKENS = "num_cached_tokens"
 INDEX = "index"
 LOGPROBS = "logprobs"
+PROMPT_LOGPROBS = "prompt_logprobs"
 CHOICE_SCORES = "choice_scores"
 OUTPUTS = {
     TEXT_OUTPUT: "BYTES",
     OUTPUT_IDS: "INT32",
     FINISH_REASON: "BYTES",
-    NUM_INPUT_TOKENS: "INT32",
-    NUM_OUTPUT_TOKENS: "INT32",
-    NUM_CACHED_TOKENS: "INT32",
+    CUMULATIVE_LOGPROB: "FP32",
+    NUM_INPUT_TOKENS: "UINT32",
+    NUM_OUTPUT_TOKENS: "UINT32",
+    NUM_CACHED_TOKENS: "UINT32",
     INDEX: "INT32",
     LOGPROBS: "BYTES",
+    PROMPT_LOGPROBS: "BYTES",
     CHOICE_SCORES: "BYTES",
 }
+# The server sends an optional output X only when the request's BOOL input return_X is
+# true: these are the ones every generation request asks for (logprobs when wanted).
+ALWAYS_RETURNED = (FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, OUTPUT_IDS,
+                   NUM_CACHED_TOKENS, INDEX)
+RETURN_FLAGS = {f"return_{name}": name for name in (*ALWAYS_RETURNED, LOGPROBS,
+                                                     CUMULATIVE_LOGPROB)}
+INPUTS = {
+    TEXT_INPUT: ("BYTES", [1]),
+    INPUT_IDS: ("INT64", [-1]),
+    STREAM: ("BOOL", [1]),
+    SAMPLING_PARAMETERS: ("BYTES", [1]),
+    EXCLUDE_INPUT_IN_OUTPUT: ("BOOL", [1]),
+    CHOICES: ("BYTES", [1]),
+    **{flag: ("BOOL", [1]) for flag in RETURN_FLAGS},
+}
 
-# Keys of the ``sampling_parameters`` JSON object the server accepts.
+# Keys of the ``sampling_parameters`` JSON object the server accepts (vLLM's, plus
+# SGLang's ``stop_regex`` and ``logprob_start_len`` and our constraint keys).
 SAMPLING_KEYS = frozenset({
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "n", "logprobs", "json_schema", "regex", "ebnf", "choices", "response_format",
-    "skip_special_tokens", "prompt_logprobs_start",
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop",
+    "stop_token_ids", "stop_regex", "include_stop_str_in_output", "ignore_eos", "n",
+    "best_of", "logprobs", "prompt_logprobs", "logprob_start_len", "skip_special_tokens",
+    "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens", "json_schema", "regex", "ebnf", "choices", "response_format",
+    "structured_outputs", "guided_decoding", "lora_name",
 })
-# Keys the language sends for features the server is to add (vLLM's ``min_tokens``:
-# no stop or EOS before that many tokens; SGLang's ``stop_regex``: stop once the output
-# matches one of these regular expressions). They pass the client's check; a server
-# without them answers with its own "unknown sampling parameter" error.
-NEWER_SAMPLING_KEYS = frozenset({"min_tokens", "stop_regex"})
-# Outputs read when present and not declared by the server yet: ``prompt_logprobs``, the
-# JSON logprobs of the prompt tokens from ``prompt_logprobs_start`` on (first one null),
-# sent with a request's first response.
-PROMPT_LOGPROBS = "prompt_logprobs"
-NEWER_OUTPUTS = {PROMPT_LOGPROBS: "BYTES"}
 FINISH_REASONS = ("stop", "length", "abort")
+NOT_FINISHED = "None"  # finish_reason of a sample still running
 CHOICE_SCORE_KEYS = ("choice", "logprob_sum", "num_tokens", "normalized_logprob",
-                     "token_logprobs")
+                     "token_logprobs", "token_ids")
+
+# Request parameter of the server's debug requests; "flush_cache" empties its prefix cache.
+DEBUG_PARAM = "debug"
+FLUSH_CACHE = "flush_cache"
 
 # Response parameter that marks a request's last response (set by Triton itself).
 FINAL_RESPONSE_PARAM = "triton_final_response"
@@ -91,7 +101,7 @@ def _bytes_tensor(name: str, text: str) -> Tensor:
 
 def sampling_json(params: dict[str, Any]) -> str:
     """Serialize sampling parameters; unknown keys raise ``ValueError`` before any round trip."""
-    unknown = sorted(set(params) - SAMPLING_KEYS - NEWER_SAMPLING_KEYS)
+    unknown = sorted(set(params) - SAMPLING_KEYS)
     if unknown:
         raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
     clean = {k: v for k, v in params.items() if v is not None}
@@ -103,19 +113,30 @@ def sampling_json(params: dict[str, Any]) -> str:
 def encode_request(prompt: str | Sequence[int], params: dict[str, Any] | None = None,
                    stream: bool = False, choices: Sequence[str] | None = None) -> list[Tensor]:
     """Tensors of one request: a generation, or a scoring request when ``choices`` is given."""
+    params = params or {}
     if isinstance(prompt, str):
         tensors = [_bytes_tensor(TEXT_INPUT, prompt)]
     else:
-        tensors = [(INPUT_IDS, "INT32", np.asarray(list(prompt), dtype=np.int32))]
+        tensors = [(INPUT_IDS, "INT64", np.asarray(list(prompt), dtype=np.int64))]
     tensors.append((STREAM, "BOOL", np.array([bool(stream)], dtype=bool)))
-    tensors.append(_bytes_tensor(SAMPLING_PARAMETERS, sampling_json(params or {})))
+    tensors.append(_bytes_tensor(SAMPLING_PARAMETERS, sampling_json(params)))
     tensors.append((EXCLUDE_INPUT_IN_OUTPUT, "BOOL", np.array([True], dtype=bool)))
+    for flag in return_flags(params):
+        tensors.append((flag, "BOOL", np.array([True], dtype=bool)))
     if choices is not None:
         choices = list(choices)
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("choices must be a non-empty list of non-empty strings")
         tensors.append(_bytes_tensor(CHOICES, json.dumps(choices)))
     return tensors
+
+
+def return_flags(params: dict[str, Any]) -> list[str]:
+    """The return_* inputs of a generation request with these sampling parameters."""
+    names = list(ALWAYS_RETURNED)
+    if params.get("logprobs") is not None:
+        names.append(LOGPROBS)
+    return [f"return_{name}" for name in names]
 
 
 def _texts(get: Callable[[str], np.ndarray | None], name: str) -> list[str]:
@@ -145,11 +166,11 @@ def decode_chunks(get: Callable[[str], np.ndarray | None]) -> list[Chunk]:
     output_ids the samples' ids back to back, num_output_tokens where each ends)."""
     texts = _texts(get, TEXT_OUTPUT) or [""]
     ids = _ints(get, OUTPUT_IDS)
-    reasons = _texts(get, FINISH_REASON)
-    index, num_in, num_out, num_cached = (
-        _ints(get, name) for name in (INDEX, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS,
-                                      NUM_CACHED_TOKENS))
-    logprobs = _json(_text(get, LOGPROBS))
+    reasons = ["" if r == NOT_FINISHED else r for r in _texts(get, FINISH_REASON)]
+    index, num_out, num_cached = (_ints(get, name)
+                                  for name in (INDEX, NUM_OUTPUT_TOKENS, NUM_CACHED_TOKENS))
+    num_in = _ints(get, NUM_INPUT_TOKENS)
+    logprobs = [_json(t) for t in _texts(get, LOGPROBS)]
     prompt_logprobs = _json(_text(get, PROMPT_LOGPROBS))
     merged = len(texts) > 1
 
@@ -163,10 +184,10 @@ def decode_chunks(get: Callable[[str], np.ndarray | None]) -> list[Chunk]:
         start += count
         chunks.append(Chunk(
             text=text, index=at(index, i, 0), output_ids=tuple(own_ids),
-            finish_reason=at(reasons, i, ""), num_input_tokens=at(num_in, i, 0),
+            finish_reason=at(reasons, i, ""), num_input_tokens=at(num_in, 0, 0),
             num_output_tokens=count, num_cached_tokens=at(num_cached, i, 0),
-            logprobs=logprobs[i] if merged and logprobs is not None else logprobs,
-            prompt_logprobs=prompt_logprobs))
+            logprobs=at(logprobs, i, None),
+            prompt_logprobs=prompt_logprobs if i == 0 else None))
     return chunks
 
 

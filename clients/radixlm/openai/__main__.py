@@ -19,8 +19,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the Triton model that runs the engine (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients give as 'model' (default: --model)")
-    parser.add_argument("--detokenizer-model", default="postprocessing",
-                        help="the Triton model that turns token ids into text, for logprobs")
     parser.add_argument("--default-max-tokens", type=int, default=None,
                         help="max_tokens of requests that set none (default: the engine's)")
     parser.add_argument("--log-level", default="info")
@@ -33,7 +31,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     settings = Settings(grpc_url=args.grpc_url, triton_model=args.model,
                         served_model_name=args.served_model_name or args.model,
-                        detokenizer_model=args.detokenizer_model,
                         default_max_tokens=args.default_max_tokens)
     uvicorn.run(create_app(settings), host=args.host, port=args.port,
                 log_level=args.log_level, timeout_graceful_shutdown=5)

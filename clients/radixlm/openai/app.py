@@ -21,7 +21,6 @@ class Settings:
     grpc_url: str = "localhost:8001"
     triton_model: str = wire.MODEL_NAME
     served_model_name: str = wire.MODEL_NAME
-    detokenizer_model: str = "postprocessing"
     # max_tokens of requests that give none (None: the engine's default)
     default_max_tokens: int | None = None
 
@@ -33,8 +32,7 @@ def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         # gRPC asyncio channels belong to the loop that serves: made here, not at import.
-        app.state.engine = Engine(settings.grpc_url, settings.triton_model,
-                                  settings.detokenizer_model)
+        app.state.engine = Engine(settings.grpc_url, settings.triton_model)
         try:
             yield
         finally:

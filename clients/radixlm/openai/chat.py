@@ -12,7 +12,7 @@ from .errors import OpenAIError
 from .generation import collect, merged, primed, unless_disconnected
 from .protocol import ChatCompletionRequest
 from .responses import (DONE, PromptUsage, Sample, chat_logprobs, envelope, finish_reason,
-                        new_id, sse, token_ids_of, usage)
+                        new_id, sse, usage)
 
 
 async def run(engine: Engine, body: ChatCompletionRequest, settings,
@@ -25,17 +25,16 @@ async def run(engine: Engine, body: ChatCompletionRequest, settings,
     head = envelope(new_id("chatcmpl"), "chat.completion", body.model)
     if body.stream:
         flow = await unless_disconnected(request, primed(flow))
-        return _chunks(engine, body, plan, flow, dict(head, object="chat.completion.chunk"))
+        return _chunks(body, plan, flow, dict(head, object="chat.completion.chunk"))
     usages, samples = await unless_disconnected(request, collect(flow, 1, body.n))
-    choices = [await _choice(engine, body, plan, i, s) for i, s in enumerate(samples)]
+    choices = [_choice(body, plan, i, s) for i, s in enumerate(samples)]
     return {**head, "choices": choices, "usage": usage(usages, samples)}
 
 
-async def _logprobs(engine: Engine, body: ChatCompletionRequest, items: list[dict]) -> dict | None:
+def _logprobs(body: ChatCompletionRequest, items: list[dict], ids: list[int]) -> dict | None:
     if not body.logprobs:
         return None
-    texts = await engine.token_texts(token_ids_of(items))
-    return chat_logprobs(items, texts, body.top_logprobs or 0)
+    return chat_logprobs(items, ids, body.top_logprobs or 0)
 
 
 def _message_and_reason(plan: tools.ToolPlan, text: str, reason: str) -> tuple[dict, str]:
@@ -48,25 +47,26 @@ def _message_and_reason(plan: tools.ToolPlan, text: str, reason: str) -> tuple[d
     return message, reason
 
 
-async def _choice(engine: Engine, body: ChatCompletionRequest, plan: tools.ToolPlan,
-                  index: int, sample: Sample) -> dict:
+def _choice(body: ChatCompletionRequest, plan: tools.ToolPlan, index: int,
+            sample: Sample) -> dict:
     message, reason = _message_and_reason(plan, "".join(sample.text),
                                           finish_reason(sample.finish_reason))
     return {"index": index, "message": message,
-            "logprobs": await _logprobs(engine, body, sample.logprobs), "finish_reason": reason}
+            "logprobs": _logprobs(body, sample.logprobs, sample.token_ids),
+            "finish_reason": reason}
 
 
-def _whole_delta(plan: tools.ToolPlan, sample: Sample, chunk) -> tuple[dict, str, list]:
+def _whole_delta(plan: tools.ToolPlan, sample: Sample, chunk) -> tuple[dict, str, list, list]:
     """The one delta of a held answer: its calls (or its text) once it has ended."""
     message, reason = _message_and_reason(plan, "".join(sample.text),
                                           finish_reason(chunk.finish_reason))
     delta = {k: v for k, v in message.items() if k != "role" and v is not None}
     if "tool_calls" in delta:
         delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(delta["tool_calls"])]
-    return delta, reason, sample.logprobs
+    return delta, reason, sample.logprobs, sample.token_ids
 
 
-def _piece_delta(plan: tools.ToolPlan, chunk) -> tuple[dict, str | None, list]:
+def _piece_delta(plan: tools.ToolPlan, chunk) -> tuple[dict, str | None, list, list]:
     """A streamed piece: text, or the next piece of a named call's arguments."""
     reason = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
     delta: dict = {}
@@ -76,10 +76,10 @@ def _piece_delta(plan: tools.ToolPlan, chunk) -> tuple[dict, str | None, list]:
             delta = {"tool_calls": [{"index": 0, "function": {"arguments": chunk.text}}]}
     elif chunk.text:
         delta = {"content": chunk.text}
-    return delta, reason, chunk.logprobs or []
+    return delta, reason, chunk.logprobs or [], list(chunk.output_ids)
 
 
-async def _chunks(engine: Engine, body: ChatCompletionRequest, plan: tools.ToolPlan, flow,
+async def _chunks(body: ChatCompletionRequest, plan: tools.ToolPlan, flow,
                   head: dict) -> AsyncIterator[str]:
     """The SSE events. A forced call of a named function streams its arguments as they
     come; "required" and "auto" answers are held until they end (a call can only be told
@@ -109,9 +109,9 @@ async def _chunks(engine: Engine, body: ChatCompletionRequest, plan: tools.ToolP
             sample.add(chunk)
             if held and not chunk.finish_reason:
                 continue
-            delta, reason, items = (_whole_delta(plan, sample, chunk) if held
-                                    else _piece_delta(plan, chunk))
-            logprobs = await _logprobs(engine, body, items) if items else None
+            delta, reason, items, ids = (_whole_delta(plan, sample, chunk) if held
+                                         else _piece_delta(plan, chunk))
+            logprobs = _logprobs(body, items, ids) if items else None
             if delta or logprobs or reason:
                 yield event(chunk.index, delta, logprobs, reason)
         if include_usage:

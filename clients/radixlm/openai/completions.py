@@ -12,7 +12,7 @@ from .errors import OpenAIError, bad_request
 from .generation import collect, merged, primed, unless_disconnected
 from .protocol import CompletionRequest
 from .responses import (DONE, PromptUsage, Sample, completion_logprobs, envelope,
-                        finish_reason, new_id, sse, token_ids_of, usage)
+                        finish_reason, new_id, sse, usage)
 
 
 async def run(engine: Engine, body: CompletionRequest, settings,
@@ -27,7 +27,7 @@ async def run(engine: Engine, body: CompletionRequest, settings,
     head = envelope(new_id("cmpl"), "text_completion", body.model)
     if body.stream:
         flow = await unless_disconnected(request, primed(flow))
-        return _chunks(engine, body, prompts, flow, head)
+        return _chunks(body, prompts, flow, head)
     usages, samples = await unless_disconnected(request, collect(flow, len(prompts), body.n))
     choices = []
     for index, sample in enumerate(samples):
@@ -35,20 +35,19 @@ async def run(engine: Engine, body: CompletionRequest, settings,
         if body.echo:
             text = prompts[index // body.n] + text
         choices.append({"index": index, "text": text,
-                        "logprobs": await _logprobs(engine, body, sample.logprobs),
+                        "logprobs": _logprobs(body, sample.logprobs, sample.token_ids),
                         "finish_reason": finish_reason(sample.finish_reason)})
     return {**head, "choices": choices, "usage": usage(usages, samples)}
 
 
-async def _logprobs(engine: Engine, body: CompletionRequest, items: list[dict],
-                    offset: int = 0) -> dict | None:
+def _logprobs(body: CompletionRequest, items: list[dict], ids: list[int],
+              offset: int = 0) -> dict | None:
     if body.logprobs is None:
         return None
-    texts = await engine.token_texts(token_ids_of(items))
-    return completion_logprobs(items, texts, body.logprobs, offset)
+    return completion_logprobs(items, ids, body.logprobs, offset)
 
 
-async def _chunks(engine: Engine, body: CompletionRequest, prompts: list, flow,
+async def _chunks(body: CompletionRequest, prompts: list, flow,
                   head: dict) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     n = body.n
@@ -73,7 +72,8 @@ async def _chunks(engine: Engine, body: CompletionRequest, prompts: list, flow,
             index = prompt_index * n + chunk.index
             samples[index].add(chunk)
             reason = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
-            logprobs = await _logprobs(engine, body, chunk.logprobs or [], offsets[index])
+            logprobs = _logprobs(body, chunk.logprobs or [], list(chunk.output_ids),
+                                 offsets[index])
             offsets[index] += len(chunk.text)
             if chunk.text or reason or logprobs:
                 yield event(index, chunk.text, logprobs, reason)

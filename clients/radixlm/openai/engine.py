@@ -1,8 +1,8 @@
 """The OpenAI server's view of the Triton server: model facts, readiness, generation.
 
 Generation goes through ``radixlm.AsyncTritonClient`` (one gRPC stream per request, so that
-closing a request's iterator cancels it in the engine). Metadata, readiness and token
-decoding use a second asyncio gRPC client.
+closing a request's iterator cancels it in the engine). Metadata and readiness use a second
+asyncio gRPC client. Logprobs need no decoding here: the engine's carry each token's text.
 
 Errors: Triton's stream carries an error as text only, without a status. An error before
 the request produced anything is the engine refusing it (a prompt longer than the context,
@@ -14,13 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-import numpy as np
 import tritonclient.grpc.aio as aioclient
-from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from .. import wire
@@ -29,8 +26,6 @@ from ..chat_template import ChatTemplate
 from ..errors import ServerError
 from ..results import Chunk
 from .errors import OpenAIError, bad_request, server_error, unavailable
-
-DECODE_CACHE_SIZE = 65536
 
 
 @dataclass(frozen=True)
@@ -43,12 +38,10 @@ class ModelInfo:
 
 
 class Engine:
-    def __init__(self, url: str, model: str = wire.MODEL_NAME,
-                 detokenizer_model: str = "postprocessing"):
-        self.url, self.model, self.detokenizer_model = url, model, detokenizer_model
+    def __init__(self, url: str, model: str = wire.MODEL_NAME):
+        self.url, self.model = url, model
         self._generator = AsyncTritonClient(url, model)
         self._meta = aioclient.InferenceServerClient(url)
-        self._token_text: OrderedDict[int, str] = OrderedDict()
         self._info: ModelInfo | None = None
 
     async def close(self) -> None:
@@ -106,44 +99,6 @@ class Engine:
         if await self.ready():
             return bad_request(message)
         return unavailable(f"the engine is not ready: {message}")
-
-    # -- token strings for logprobs ----------------------------------------------------
-    async def token_texts(self, ids: Sequence[int]) -> dict[int, str]:
-        """Each id's own text, decoded by the server's detokenizer model (the tokenizer
-        the engine uses); kept in a bounded cache, as a vocabulary's strings never change."""
-        missing = sorted({int(i) for i in ids} - self._token_text.keys())
-        if missing:
-            texts = await self._decode_each(missing)
-            for token, text in zip(missing, texts):
-                self._token_text[token] = text
-            while len(self._token_text) > DECODE_CACHE_SIZE:
-                self._token_text.popitem(last=False)
-        return {int(i): self._token_text[int(i)] for i in ids}
-
-    async def _decode_each(self, ids: list[int]) -> list[str]:
-        count = len(ids)
-        inputs = []
-        for name, array, dtype in (
-                ("output_ids", np.array(ids, dtype=np.int32), "INT32"),
-                ("context_ids", np.zeros(0, dtype=np.int32), "INT32"),
-                ("llm_finish_reason", np.array([b"length"] * count, dtype=np.object_), "BYTES"),
-                ("llm_num_output_tokens", np.ones(count, dtype=np.int32), "INT32"),
-                # passed through by the detokenizer; required by its config
-                ("llm_text_output", np.array([b""] * count, dtype=np.object_), "BYTES"),
-                ("llm_num_input_tokens", np.zeros(1, dtype=np.int32), "INT32"),
-                ("llm_num_cached_tokens", np.zeros(1, dtype=np.int32), "INT32")):
-            tensor = InferInput(name, list(array.shape), dtype)
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        try:
-            result = await self._meta.infer(self.detokenizer_model, inputs,
-                                            parameters={"skip_special_tokens": False})
-        except InferenceServerException as exc:
-            raise unavailable(f"logprobs need the detokenizer model "
-                              f"'{self.detokenizer_model}': {exc.message()}") from exc
-        texts = result.as_numpy("text_output").reshape(-1)
-        return [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else str(t)
-                for t in texts]
 
 
 async def first_error(tasks: list[asyncio.Task]) -> None:

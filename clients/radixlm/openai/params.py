@@ -17,13 +17,17 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, ResponseFormat,
                        SamplingFields)
 from .tools import ToolPlan, calls_as_text, tools_preamble
 
-# OpenAI name -> wire name, for the knobs that pass through unchanged.
+# The knobs that pass through unchanged (OpenAI's and vLLM's extensions of it share the
+# engine's names).
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "seed", "ignore_eos", "skip_special_tokens")
+           "repetition_penalty", "seed", "ignore_eos", "skip_special_tokens", "logit_bias",
+           "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+           "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
+           "truncate_prompt_tokens")
 
 
 def sampling(request: SamplingFields, max_tokens: int | None, default_max_tokens: int | None,
-             logprobs: int) -> dict[str, Any]:
+             logprobs: int | None) -> dict[str, Any]:
     """Wire parameters of one engine request (one per prompt; ``n`` samples each)."""
     params: dict[str, Any] = {k: getattr(request, k) for k in _PASSED
                               if getattr(request, k) is not None}
@@ -37,17 +41,17 @@ def sampling(request: SamplingFields, max_tokens: int | None, default_max_tokens
         if not all(params["stop"]):
             raise bad_request("stop strings must not be empty", "stop")
     params["n"] = request.n
-    if logprobs:
+    if logprobs is not None:
         params["logprobs"] = logprobs
     return params
 
 
-def engine_logprobs(want: bool, top: int | None) -> int:
-    """The engine's ``logprobs``: 1 gives the chosen token's, k > 1 also the k best (so a
-    request for the single best alternative asks for 2 and keeps 1)."""
+def engine_logprobs(want: bool, top: int | None) -> int | None:
+    """The engine's ``logprobs`` (vLLM's meaning): 0 gives the chosen token's logprob,
+    k also the k best alternatives; None asks for none."""
     if not want:
-        return 0
-    return max(top, 2) if top else 1
+        return None
+    return top or 0
 
 
 def response_format(fmt: ResponseFormat | None) -> dict | None:
@@ -66,6 +70,8 @@ def completion_params(request: CompletionRequest, default_max_tokens: int | None
         raise bad_request("suffix is not supported", "suffix")
     params = sampling(request, request.max_tokens, default_max_tokens,
                       engine_logprobs(request.logprobs is not None, request.logprobs))
+    if request.best_of is not None:
+        params["best_of"] = request.best_of
     fmt = response_format(request.response_format)
     if fmt is not None:
         params["response_format"] = fmt

@@ -116,6 +116,16 @@ class SamplingFields(_Model):
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     user: StrictStr | None = None
+    # OpenAI's token id (as a string) -> bias added to its logit
+    logit_bias: dict[StrictStr, Annotated[Number, Field(ge=-100, le=100)]] | None = None
+    # vLLM's extensions of the OpenAI API, passed to the engine's keys of the same names
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    bad_words: list[StrictStr] | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
 
 
 Prompt = Union[
@@ -130,6 +140,7 @@ Prompt = Union[
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     echo: StrictBool = False
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: StrictStr | None = None
     response_format: ResponseFormat | None = None

@@ -11,8 +11,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import logprobs
 from ..results import Chunk
-from .errors import unavailable
+from .errors import server_error, unavailable
 
 
 @dataclass
@@ -20,16 +21,18 @@ class Sample:
     """What one choice has produced so far."""
 
     text: list[str] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # the engine's entries, one a token
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     num_output_tokens: int = 0
 
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
+        self.token_ids.extend(chunk.output_ids)
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
-        # the engine's count is cumulative (and counts an EOS that has no text)
-        self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens)
+        # each response counts its own tokens (an EOS that has no text included)
+        self.num_output_tokens += chunk.num_output_tokens
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
 
@@ -82,43 +85,39 @@ def envelope(id_: str, object_: str, model: str, created: int | None = None) -> 
 
 
 # ---- logprobs ------------------------------------------------------------------------
+# The engine's entries are vLLM's: per token, {token id: {logprob, rank, decoded_token}}
+# for the chosen token and the asked number of best alternatives, each with its text.
 
-def token_ids_of(items: list[dict]) -> list[int]:
-    """Every id a list of engine logprob entries mentions (to decode them in one call)."""
-    ids = []
-    for item in items:
-        ids.append(int(item["token_id"]))
-        ids.extend(int(k) for k in (item.get("top_logprobs") or {}))
-    return ids
-
-
-def _top(item: dict, k: int) -> list[tuple[int, float]]:
-    pairs = [(int(t), float(v)) for t, v in (item.get("top_logprobs") or {}).items()]
-    return sorted(pairs, key=lambda p: -p[1])[:k]
+def _parsed(items: list[dict], ids: list[int], top: int):
+    try:
+        return logprobs.parse(items, ids, top, True, "logprobs")
+    except ValueError as exc:
+        raise server_error(f"the engine's logprobs cannot be read: {exc}") from exc
 
 
 def _entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(items: list[dict], texts: dict[int, str], top: int) -> dict:
+def chat_logprobs(items: list[dict], ids: list[int], top: int) -> dict:
+    parsed = _parsed(items, ids, top)
     content = []
-    for item in items:
-        entry = _entry(texts[int(item["token_id"])], float(item["logprob"]))
-        entry["top_logprobs"] = [_entry(texts[t], v) for t, v in _top(item, top)]
+    for token, alternatives in zip(parsed.tokens, parsed.top):
+        entry = _entry(token.text, token.logprob)
+        entry["top_logprobs"] = [_entry(t.text, t.logprob) for t in alternatives]
         content.append(entry)
     return {"content": content}
 
 
-def completion_logprobs(items: list[dict], texts: dict[int, str], top: int,
+def completion_logprobs(items: list[dict], ids: list[int], top: int,
                         offset: int = 0) -> dict:
-    tokens, logprobs, tops, offsets = [], [], [], []
-    for item in items:
-        token = texts[int(item["token_id"])]
-        tokens.append(token)
-        logprobs.append(float(item["logprob"]))
-        tops.append({texts[t]: v for t, v in _top(item, top)} if top else None)
+    parsed = _parsed(items, ids, top)
+    tokens, values, tops, offsets = [], [], [], []
+    for token, alternatives in zip(parsed.tokens, parsed.top):
+        tokens.append(token.text)
+        values.append(token.logprob)
+        tops.append({t.text: t.logprob for t in alternatives} if top else None)
         offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+        offset += len(token.text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
