@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from backend import wire
 from backend.core import SamplingParams
 from backend.core.handle import EngineDied
 from backend.core.models.registry import MODEL_REGISTRY
@@ -22,7 +21,7 @@ from backend.model_config import check_tensor_parallel_instance, engine_process_
 from backend.serving import EngineLoop
 from engine_helpers import make_engine, random_prompts, run_staggered
 from model_factory import ARCHS, build_tiny_model
-from test_server_loop import RecordingSink
+from loop_helpers import RecordingSink, generate
 
 NEW_TOKENS = 8
 # 4 query heads and 2 KV heads (model_factory's shapes): size 2 splits the KV heads,
@@ -170,8 +169,8 @@ def test_a_rank_dying_while_idle_fails_the_serving_loop_and_its_requests(models)
     loop.start()
     try:
         before = RecordingSink()
-        loop.submit(wire.GenerateJob([30, 31], SamplingParams(max_new_tokens=3, temperature=0.0,
-                                                              ignore_eos=True), True, False), before)
+        loop.submit(generate([30, 31], max_new_tokens=3, temperature=0.0, ignore_eos=True),
+                    before)
         assert before.closed.wait(60) and not before.errors
         os.kill(pids[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -180,7 +179,7 @@ def test_a_rank_dying_while_idle_fails_the_serving_loop_and_its_requests(models)
             time.sleep(0.01)
         assert "rank 1" in deaths[0]
         later = RecordingSink()
-        loop.submit(wire.GenerateJob([1, 2], SamplingParams(), True, False), later)
+        loop.submit(generate([1, 2]), later)
         assert later.closed.wait(10) and later.errors
     finally:
         loop.stop(timeout_s=10)
