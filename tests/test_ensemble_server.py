@@ -14,7 +14,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from conftest import MODEL_REPOSITORY
+from conftest import ADMIN_PARAMETERS, MODEL_REPOSITORY
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -265,7 +265,8 @@ def test_exclude_input_in_output_false_returns_the_prompt_as_the_engine_model_do
 
 def engine_stats(triton_server) -> dict:
     body = requests.post(f"http://{triton_server.http_url}/v2/models/llm/generate",
-                         json={"parameters": {"debug": "stats"}}, timeout=60).json()
+                         json={"parameters": {"debug": "stats", **ADMIN_PARAMETERS}},
+                         timeout=60).json()
     return json.loads(body["stats"])
 
 

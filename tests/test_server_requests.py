@@ -17,7 +17,7 @@ except ImportError:  # not pip-installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
     import radixlm
 
-from conftest import generate_body, http_generate, server_stats
+from conftest import ADMIN_TOKEN, generate_body, http_generate, server_stats
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -80,7 +80,11 @@ def test_scoring_after_an_empty_prompt_gives_each_choices_token_ids(triton_serve
                for s in scores.scores)
 
 
-def test_flush_cache_empties_the_prefix_cache_over_grpc_and_http(triton_server):
+def test_flush_cache_empties_the_prefix_cache_over_grpc_and_http(triton_server, monkeypatch):
+    # a flush is administrative: the clients present the admin token from the environment
+    monkeypatch.delenv("RADIXLM_ADMIN_TOKEN", raising=False)
+    assert radixlm.TritonClient(triton_server.grpc_url).flush_cache() is False
+    monkeypatch.setenv("RADIXLM_ADMIN_TOKEN", ADMIN_TOKEN)
     http_generate(triton_server, generate_body("A prompt worth caching " * 4, {"max_tokens": 2}))
     assert server_stats(triton_server)["radix_cache_tokens"] > 0
     assert radixlm.TritonClient(triton_server.grpc_url).flush_cache() is True

@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import SERVED_MODEL, _stop, start_server
+from conftest import ADMIN_PARAMETERS, SERVED_MODEL, _stop, start_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -100,7 +100,8 @@ class TestCheckHealth:
             self._assert_text_output_valid(expected)
             self._assert_model_ready(url, True)
             # The 2nd infer makes the engine fail (upstream: its health check fails)
-            self._llm_infer(url, parameters={"debug": "fail_engine_loop"})
+            self._llm_infer(url, parameters={"debug": "fail_engine_loop",
+                                                **ADMIN_PARAMETERS})
             self._assert_infer_exception("fault injected: the engine loop will die")
             # then the model is unavailable: no longer served, the server gone
             deadline = time.monotonic() + 30

@@ -8,6 +8,7 @@ small pool (a tritonclient client holds at most one stream at a time).
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import uuid
@@ -128,7 +129,7 @@ class TritonClient:
         refuses (a server may restrict debug requests)."""
         try:
             for _ in self._responses([], uuid.uuid4().hex,
-                                     parameters={wire.DEBUG_PARAM: wire.FLUSH_CACHE}):
+                                     parameters=wire.flush_cache_parameters(os.environ)):
                 pass
         except ServerError:
             return False

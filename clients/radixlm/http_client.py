@@ -9,6 +9,7 @@ shared codec in wire.py.
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import urllib.error
 import urllib.request
@@ -79,7 +80,7 @@ class HttpTritonClient:
         """Ask the server to drop every cached prefix no request uses; False when it
         refuses (a server may restrict debug requests)."""
         try:
-            self._post("generate", {"parameters": {wire.DEBUG_PARAM: wire.FLUSH_CACHE}}, None)
+            self._post("generate", {"parameters": wire.flush_cache_parameters(os.environ)}, None)
         except ServerError:
             return False
         return True

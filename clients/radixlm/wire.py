@@ -8,7 +8,7 @@ client, the asyncio client and tests share one codec.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -84,6 +84,16 @@ CHOICE_SCORE_KEYS = ("choice", "logprob_sum", "num_tokens", "normalized_logprob"
 # Request parameter of the server's debug requests; "flush_cache" empties its prefix cache.
 DEBUG_PARAM = "debug"
 FLUSH_CACHE = "flush_cache"
+# Debug requests are administrative: the server admits them with its admin token, which
+# the clients take from this environment variable (the one the server reads) when set.
+ADMIN_TOKEN_ENV = "RADIXLM_ADMIN_TOKEN"
+ADMIN_TOKEN_PARAM = "radixlm-admin-token"
+
+
+def flush_cache_parameters(environ: Mapping[str, str]) -> dict[str, str]:
+    """The request parameters of a cache flush, with the admin token where one is set."""
+    token = environ.get(ADMIN_TOKEN_ENV)
+    return {DEBUG_PARAM: FLUSH_CACHE, **({ADMIN_TOKEN_PARAM: token} if token else {})}
 
 # Response parameter that marks a request's last response (set by Triton itself).
 FINAL_RESPONSE_PARAM = "triton_final_response"
