@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 1  # batch-1 decode; wider batches take cuBLAS (see scripts/check_gemv_gpu.py)
+MAX_ROWS = 1  # batch-1 decode; wider batches take cuBLAS (see tools/check_gemv_gpu.py)
 
 _NONE, _NORM, _ADD_NORM, _SILU_MUL = 0, 1, 2, 3
 
@@ -112,7 +112,7 @@ def _gemv_kernel(
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (scripts/check_gemv_gpu.py
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (tools/check_gemv_gpu.py
     --sweep) over the projections of Llama-3.2-1B and Llama-3.1-8B: the whole row in one
     tile up to K = 4096, else about 512 programs with 16 KB weight tiles; 8 warps for the
     widest tiles and for the narrow (N <= 2048) matrices, whose few programs each need
