@@ -65,7 +65,7 @@ def http_stream(server) -> Ending:
 
     def read() -> None:
         body = {"text_input": "Tell me a long story.", "stream": True,
-                "sampling_parameters": json.dumps(LONG)}
+                "return_finish_reason": True, "sampling_parameters": json.dumps(LONG)}
         try:
             with requests.post(f"http://{server.http_url}/v2/models/{server.model}"
                                "/generate_stream", json=body, stream=True, timeout=120) as r:
@@ -76,7 +76,7 @@ def http_stream(server) -> Ending:
                     if "error" in event:
                         return ending.end("error", event["error"])
                     ending.streamed.set()
-                    if event.get("finish_reason"):
+                    if event.get("finish_reason") not in (None, "", "None"):  # "None": running
                         return ending.end("final", event["finish_reason"])
             ending.end("error", "the stream ended without a final response")
         except requests.RequestException as exc:

@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from conftest import MODEL_REPOSITORY, _stop, start_server
+from conftest import ADMIN_TOKEN, MODEL_REPOSITORY, _stop, start_server
 from vllm_ci_util import TestResultCollector, UserData, callback, create_vllm_request
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -72,6 +72,21 @@ ensemble_scheduling { step [ {
   input_map { key: "sampling_parameters" value: "sampling_parameters" }
   output_map { key: "text_output" value: "text_output" } } ] }
 '''
+
+
+class AdminClient(grpcclient.InferenceServerClient):
+    """Upstream's client with the server's admin token on model control, which our server
+    restricts (upstream's calls are otherwise unchanged)."""
+
+    HEADERS = {"triton-grpc-protocol-radixlm-admin-token": ADMIN_TOKEN}
+
+    def load_model(self, model_name, headers=None, **kwargs):
+        return super().load_model(model_name, headers={**self.HEADERS, **(headers or {})},
+                                  **kwargs)
+
+    def unload_model(self, model_name, headers=None, **kwargs):
+        return super().unload_model(model_name, headers={**self.HEADERS, **(headers or {})},
+                                    **kwargs)
 
 
 def _copy_llm(repo, name: str, edit=lambda text: text) -> None:
@@ -200,7 +215,7 @@ class TestModelLoading:
     vllm_load_test = "llm_load_test"
 
     def test_vllm_triton_backend(self, explicit_server, expected):
-        client = grpcclient.InferenceServerClient(explicit_server.grpc_url)
+        client = AdminClient(explicit_server.grpc_url)
         client.load_model(self.vllm_load_test)
         assert client.is_model_ready(self.vllm_load_test)
         client.load_model(self.python_model_name)
@@ -228,12 +243,12 @@ class TestModelLoading:
         client.close()
 
     def test_model_with_invalid_attributes(self, explicit_server):
-        client = grpcclient.InferenceServerClient(explicit_server.grpc_url)
+        client = AdminClient(explicit_server.grpc_url)
         with pytest.raises(InferenceServerException, match="invalid_attribute"):
             client.load_model("vllm_invalid_1")
 
     def test_vllm_invalid_model_name(self, explicit_server):
-        client = grpcclient.InferenceServerClient(explicit_server.grpc_url)
+        client = AdminClient(explicit_server.grpc_url)
         with pytest.raises(InferenceServerException, match="invalid_model"):
             client.load_model("vllm_invalid_2")
 
