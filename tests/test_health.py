@@ -216,7 +216,10 @@ def test_when_the_engine_loop_dies_the_server_stops_being_ready_and_exits(tmp_pa
         assert ("radixlm-serve: the stub of llm (llm_0_0, pid " in log and "asks to stop the "
                 "server: the engine is not running (RuntimeError: fault injected" in log)
         assert server.process.returncode == 1  # a failure stopped it: the orchestrator sees it
-        assert f"successfully unloaded '{SERVED_MODEL}'" in log
+        # Triton unloads the model, or, when that outlasts the stop's bound on a loaded
+        # machine, the supervisor ends it and says so: either way the stop is bounded
+        assert (f"successfully unloaded '{SERVED_MODEL}'" in log
+                or "s after the stop began" in log), log[-2000:]
     finally:
         client.close()
         _stop(server.process)
