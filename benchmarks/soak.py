@@ -28,7 +28,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,18 +40,11 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_clients import MODEL, plan, run_all  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.replicas import free_ports  # noqa: E402  (the replicas tool's, one copy)
+
 REPO = Path(__file__).resolve().parents[1]
 REASONS = ("stop", "length", "abort", "error")
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 class Server:
