@@ -12,7 +12,7 @@ device/dtype, ``load_format: dummy``, ``model_path`` = the shape folder, the KV 
 from free memory, and the engine flags of bench_engine's default configuration.
 
 Client: tritonclient.grpc.aio, one bidirectional stream per request (``stream_infer``),
-``input_ids`` INT32 (no tokenization) and the sampling settings as request parameters
+``input_ids`` INT64 (no tokenization) and the sampling settings as request parameters
 (``stream``, ``max_tokens``, ``temperature``, ``ignore_eos``: no BYTES input tensor), only
 the outputs the metrics need. Requests are spread over --client-procs processes so that
 the client is not the bottleneck; all share one start time (wall clock). Each process
@@ -237,8 +237,8 @@ async def _client_async(url, items, t0, n_out, timeout_s, id_prefix):
         delay = t0 + arrival - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        inp = grpcclient.InferInput("input_ids", [len(prompt)], "INT32")
-        inp.set_data_from_numpy(np.asarray(prompt, dtype=np.int32))
+        inp = grpcclient.InferInput("input_ids", [len(prompt)], "INT64")
+        inp.set_data_from_numpy(np.asarray(prompt, dtype=np.int64))
         params = {"stream": True, "max_tokens": int(n_out), "temperature": 0.0,
                   "ignore_eos": True, "exclude_input_in_output": True}
 
