@@ -10,9 +10,10 @@ from backend.core import SamplingParams
 from engine_helpers import make_engine, random_prompts, tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-# LRU: which prefix leaves the device is then plain (the least recently used)
+# LRU: which prefix leaves the device is then plain (the least recently used); prompts
+# of a few tokens: every host match is loaded, however short
 SMALL = dict(max_total_tokens=64, max_prefill_tokens=64, host_cache_tokens=256,
-             radix_eviction_policy="lru")
+             radix_eviction_policy="lru", host_load_min_tokens=0)
 
 
 @pytest.fixture(scope="module")

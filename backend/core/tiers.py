@@ -3,7 +3,8 @@
 Eviction from the device takes unlocked device leaves in the policy's order. A victim
 already on the host just gives its slots back. Otherwise its KV is saved to the host
 when it ranks above what the host would have to give up for it (the host tier is
-evicted by the same policy), else it is dropped, with any host-only nodes below it. The
+evicted by the same policy) and a later load could reach ``host_load_min_tokens`` (a
+shorter host match is recomputed), else it is dropped, with any host-only nodes below it. The
 tree is updated at once; the copies are queued as ``HostSave``/``HostLoad`` records in
 the order the device side must run them (``take_copies``).
 
@@ -60,7 +61,7 @@ class TierMover:
                 heapq.heappush(heap, self._entry(upper, now, crowded))
             freed += len(leaf.value)
             cache.evictable_size -= len(leaf.key)
-            if cache.host is not None and not leaf.host:
+            if cache.host is not None and not leaf.host and self._loadable(leaf):
                 if host_heap is None:
                     host_heap = [self._entry(n, now, crowded) for n in host_nodes
                                  if _host_candidate(n)]
@@ -103,6 +104,12 @@ class TierMover:
             if node.value and not any(c.value for c in node.children.values()):
                 leaves.append(node)
         return leaves, host_nodes, new > self.cache.policy.probation_share * total
+
+    def _loadable(self, node: TreeNode) -> bool:
+        """Whether a later load could bring back ``host_load_min_tokens`` with ``node``:
+        even with its whole path on the host it would be shorter, and a shorter host
+        match is recomputed, so a copy would never be used."""
+        return node.depth + len(node.key) >= self.cache.host_load_min_tokens
 
     def _save(self, node: TreeNode) -> None:
         blocks = self.cache.host.alloc(len(node.key))
