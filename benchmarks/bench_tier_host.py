@@ -84,7 +84,8 @@ def build(spec, host_ratio: float, policy: str, config_overrides: dict):
                           **config_overrides)
     slots = KVSlotAllocator(pool)
     host = HostBlockAllocator(host_tokens) if host_tokens else None
-    cache = RadixCache(slots, make_policy(policy, pool + host_tokens), host)
+    cache = RadixCache(slots, make_policy(policy, pool + host_tokens), host,
+                       config.host_load_min_tokens)
     sched = Scheduler(config, slots, TableRowAllocator(spec.in_flight), cache,
                       context_len=1 << 20)
     kv_pool = KVPool(pool, LAYERS, HEADS, HEAD_DIM, DTYPE, "cpu")
