@@ -102,11 +102,12 @@ class RadixCache:
             child = node.children.get(token_ids[i])
             if child is None:
                 break
-            n = min(common_prefix_len(child.key, token_ids, i), end - i)
-            i += n
-            if n < len(child.key):
-                break
-            node = child
+            key = child.key
+            if i + len(key) <= end and token_ids[i:i + len(key)] == key:
+                i += len(key)  # the usual case, without a call: the whole edge matches
+                node = child
+                continue
+            return i + min(common_prefix_len(key, token_ids, i), end - i)
         return i
 
     def record_use(self, node: TreeNode) -> None:

@@ -93,16 +93,23 @@ class TierMover:
         leaves, host_nodes = [], []
         new = total = 0
         stack = list(self.cache.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            n = len(node.key) * ((1 if node.value else 0) + (1 if node.host else 0))
-            total += n
-            new += n if node.uses < 2 else 0
+        pop, push = stack.pop, stack.extend
+        while stack:  # (the hot loop of an eviction: one pass, few calls)
+            node = pop()
+            children = node.children
+            n = 0
+            if node.value:
+                n = len(node.key)
+                if not children or not any(c.value for c in children.values()):
+                    leaves.append(node)
             if node.host:
+                n += len(node.key)
                 host_nodes.append(node)
-            if node.value and not any(c.value for c in node.children.values()):
-                leaves.append(node)
+            if children:
+                push(children.values())
+            total += n
+            if node.uses < 2:
+                new += n
         return leaves, host_nodes, new > self.cache.policy.probation_share * total
 
     def _loadable(self, node: TreeNode) -> bool:
