@@ -62,17 +62,21 @@ class TierMover:
             freed += len(leaf.value)
             cache.evictable_size -= len(leaf.key)
             if cache.host is not None and not leaf.host and self._loadable(leaf):
-                if host_heap is None:
+                # the host's candidates are ranked only once the host is full: ranking
+                # every host copy costs more than the rest of an eviction
+                if host_heap is None and not cache.host.can_alloc(len(leaf.key)):
                     host_heap = [self._entry(n, now, crowded) for n in host_nodes
                                  if _host_candidate(n)]
                     heapq.heapify(host_heap)
-                if self._make_host_room(len(leaf.key), prio, host_heap, crowded):
+                if self._make_host_room(len(leaf.key), prio, host_heap or [], crowded):
                     self._save(leaf)
             cache.slots.free(leaf.value)
             leaf.value = []
             parent = leaf.parent
             if leaf.host:
-                if host_heap is not None and not leaf.children:
+                if host_heap is None:
+                    host_nodes.append(leaf)  # a candidate if the heap is built later
+                elif not leaf.children:
                     heapq.heappush(host_heap, self._entry(leaf, now, crowded))
             else:
                 self._drop_subtree(leaf, now)
