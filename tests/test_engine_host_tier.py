@@ -53,6 +53,17 @@ def test_an_evicted_prefix_is_loaded_back_from_the_host_instead_of_recomputed(mo
     engine.check_integrity()
 
 
+def test_prefixes_shorter_than_the_load_threshold_are_neither_saved_nor_loaded(model):
+    engine = make_engine(model, **{**SMALL, "host_load_min_tokens": 40})
+    a, b, c = random_prompts(3, engine.runner.vocab_size, seed=5, min_len=25, max_len=25)
+    for p in (a, b, c):
+        _one(engine, p)
+    assert _one(engine, a).num_cached_tokens < len(a) - 1  # recomputed
+    stats = engine.stats()
+    assert stats["host_saved_tokens"] == stats["host_loads"] == stats["kv_bytes_to_host"] == 0
+    engine.check_integrity()
+
+
 def test_without_the_host_tier_the_same_prefix_is_recomputed(model):
     engine = make_engine(model, **{**SMALL, "host_cache_tokens": 0})
     a, b, c = random_prompts(3, engine.runner.vocab_size, seed=5, min_len=25, max_len=25)

@@ -193,3 +193,15 @@ def test_prefix_len_stops_at_the_limit_and_changes_nothing():
     assert cache.prefix_len([1, 2, 3, 4, 5, 6], limit=0) == 0
     (node,) = cache.root.children.values()
     assert node.key == [1, 2, 3, 4, 5, 6] and node.last_access == before  # no split, no touch
+
+
+def test_prefix_len_counts_a_host_part_only_as_far_as_a_match_would():
+    cache = make_min(device=12, host=16, min_load=4)
+    put(cache, [1, 2, 3])
+    put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    put(cache, [9, 10, 11, 12])
+    cache.evict(5)  # [4..8] to the host
+    assert cache.prefix_len([1, 2, 3, 4, 5, 6, 7, 8]) == 8  # 5 on the host: loaded
+    assert cache.prefix_len([1, 2, 3, 4, 5, 6, 7, 8], limit=6) == 3  # 3 on the host: not
+    assert cache.prefix_len([1, 2, 3, 4, 5, 99]) == 3
+    assert cache.prefix_len([9, 10, 99]) == 2

@@ -93,22 +93,26 @@ class RadixCache:
         return MatchResult(matched, device_node, host_len, host_node)
 
     def prefix_len(self, token_ids: list[int], limit: int | None = None) -> int:
-        """How many leading tokens of ``token_ids[:limit]`` are cached (either tier);
-        changes nothing (no split, no recency): what ordering a queue needs, cheaper than
-        ``match_prefix``."""
-        node, i = self.root, 0
+        """How many leading tokens of ``token_ids[:limit]`` ``match_prefix`` would find
+        (either tier, a host part only from ``host_load_min_tokens`` on); changes nothing
+        (no split, no recency): what ordering a queue needs, cheaper than a match."""
+        node, i, on_device = self.root, 0, 0
         end = len(token_ids) if limit is None else min(limit, len(token_ids))
         while i < end:
             child = node.children.get(token_ids[i])
             if child is None:
                 break
-            key = child.key
+            key, start = child.key, i
             if i + len(key) <= end and token_ids[i:i + len(key)] == key:
                 i += len(key)  # the usual case, without a call: the whole edge matches
-                node = child
-                continue
-            return i + min(common_prefix_len(key, token_ids, i), end - i)
-        return i
+            else:
+                i += min(common_prefix_len(key, token_ids, i), end - i)
+            if child.value:
+                on_device = i
+            if i - start < len(key):
+                break  # the match ends inside this edge
+            node = child
+        return i if i - on_device >= self.host_load_min_tokens else on_device
 
     def record_use(self, node: TreeNode) -> None:
         """A request uses the cached path ending at ``node`` (call once per admission):
