@@ -17,9 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_db import MODEL_ORDER, ROW_ORDER, _parse_row, fmt, table  # noqa: E402
 from vllm_peer import parse_config  # noqa: E402
 
-# (mode, workload, label): the rows of the anchor table
-PEER_ROWS = [("offline", w, "batch {}, {}/{}".format(*_parse_row(w))) for w in ROW_ORDER] + [
-    ("prefix", "few-shot", "64 x (1,024 shared + 32)/64, prefix cache on")]
+from report_db import PREFIX_WORKLOADS  # noqa: E402
 PRECISION_LABELS = {"default": "bf16", "fp8": "FP8 weights", "kv-fp8": "FP8 KV cache",
                     "fp8+kv-fp8": "FP8 weights and KV cache"}
 
@@ -77,7 +75,7 @@ def peer_tables(lines: list[dict]) -> list[PeerTable]:
     for (model, precision), run in sorted(chosen.items(), key=lambda kv: _model_order(kv[0])):
         ours_config = precision  # ours is labelled with the precision's name, bf16 "default"
         rows = []
-        for mode, workload, label in PEER_ROWS:
+        for mode, workload in _row_items(latest, run, model):
             cands = [(v, c) for (ru, s, mo, c, md, w), rec in latest.items()
                      if (ru, s, mo, md, w) == (run, "vllm", model, mode, workload)
                      and precision_of(c) == precision and (v := _tok_per_s(rec))]
@@ -86,12 +84,34 @@ def peer_tables(lines: list[dict]) -> list[PeerTable]:
             tri = _tok_per_s(latest.get((run, "triton", model, ours_config, mode, workload)))
             if best is None and ours is None and tri is None:
                 continue
-            rows.append(PeerRow(label, best, best_cfg, ours, tri))
+            rows.append(PeerRow(_row_label(latest, run, model, mode, workload), best, best_cfg,
+                                ours, tri))
         version = next((rec["metrics"].get("vllm_version") for (ru, s, mo, c, md, w), rec
                         in latest.items() if (ru, s, mo, md) == (run, "vllm", model, "startup")
                         and rec["metrics"].get("vllm_version")), None)
         tables.append(PeerTable(model, precision, run, version, rows))
     return tables
+
+
+def _row_items(latest: dict, run: str, model: str) -> list[tuple[str, str]]:
+    """(mode, workload) of the rows, offline then prefix: the anchor table's first, then
+    any other of the run (a dry run's small rows)."""
+    out = []
+    for mode, anchors in (("offline", ROW_ORDER), ("prefix", PREFIX_WORKLOADS)):
+        have = {w for (ru, s, mo, c, md, w) in latest if (ru, mo, md) == (run, model, mode)}
+        out += [(mode, w) for w in anchors if w in have]
+        out += [(mode, w) for w in sorted(have - set(anchors),
+                                          key=lambda w: (tuple(x or 0 for x in _parse_row(w)), w))]
+    return out
+
+
+def _row_label(latest: dict, run: str, model: str, mode: str, workload: str) -> str:
+    if mode == "offline" and _parse_row(workload)[0] is not None:
+        return "batch {}, {}/{}".format(*_parse_row(workload))
+    desc = next((rec["metrics"].get("description") for (ru, s, mo, c, md, w), rec in latest.items()
+                 if (ru, mo, md, w) == (run, model, mode, workload) and rec["metrics"].get("description")),
+                None)
+    return f"{workload}: {desc}" if desc else workload
 
 
 def _model_order(key):
