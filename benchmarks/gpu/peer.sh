@@ -125,7 +125,7 @@ check() {
   PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$py" -c 'import vllm; from vllm import LLM; print("peer: vllm", vllm.__version__, "from", vllm.__file__)'
 }
 
-[ $# -ge 1 ] || { sed -n '2,17p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,16p' "$0"; exit 2; }
 for action in "$@"; do
   case "$action" in
     take) take ;;
