@@ -46,6 +46,7 @@ CONFIGS = {
 # shares of the budget: tiers pins its host memory at start and runs the load mode too
 WEIGHTS = {"tiers": 3, "lru-gpu": 2, "adaptive-gpu": 2}
 LOAD_LENGTHS = (128, 512, 2048, 8192, 32768)
+LOAD_NEED_S = 30  # the load mode on a GPU, engine start included (the chats run first)
 QUICK_LOAD_LENGTHS = (16, 64, 256)
 
 
@@ -211,6 +212,7 @@ MODES = {"multiturn": mode_multiturn, "load": mode_load}
 
 
 def child(args) -> int:
+    budget = C.Budget(args.budget_s)
     label = args.name or C.model_label(args.model)
     rec = C.Recorder(args.out, "engine", label, f"cache-{args.child}", CONFIGS[args.child],
                      C.load_done(args.done), extra={"quick": args.quick, "device": args.device})
@@ -218,6 +220,10 @@ def child(args) -> int:
         if mode == "load" and args.child != "tiers":
             continue
         if rec.is_done(mode, f"chats_x{WORKING_SET_X:g}" if mode == "multiturn" else "by_length"):
+            continue
+        if mode == "load" and not budget.allows(LOAD_NEED_S):
+            rec.write(mode, "by_length", status="skipped",
+                      error=f"{budget.left():.0f}s left of this configuration's budget")
             continue
         try:
             MODES[mode](args, args.child, rec)
