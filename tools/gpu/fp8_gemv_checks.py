@@ -1,0 +1,200 @@
+"""The weight-only FP8 matrix-vector kernels (backend/core/kernels/fp8_gemv.py) on the
+GPU, part of ``check_fp8.py``'s ``kernels`` part:
+
+* correctness: the four projections of Llama-3.1-8B with their prologues (RMSNorm +
+  residual before qkv and gate_up, SiLU-and-mul before down), 1 and 8 rows, per-channel
+  and 128x128 block scales, against the torch modules followed by ``F.linear`` with the
+  dequantized float32 weight (bf16 bound: 2 ulps of the output plus 1% of the row's
+  largest output, as tools/check_gemv_gpu.py); the new residual bit for bit;
+* time of each projection, prologue included, against what runs otherwise: bf16
+  (the bf16 GEMV at 1 row, the fused norm or SiLU-and-mul then cuBLAS at 8) and W8A8
+  (the same prologue, then the per-token quantization and ``_scaled_mm``), each call
+  streaming its weights from HBM (copies totalling over 4x the L2 cache, replayed in a
+  CUDA graph), with the bandwidth reached against a device-to-device copy;
+* a tile sweep at 1 row (per-channel scales): the best (BLOCK_N, BLOCK_K, warps) of
+  each shape next to ``_config``'s choice.
+"""
+from __future__ import annotations
+
+SHAPES = {  # name: (prologue, N, K)
+    "qkv": ("norm", 6144, 4096), "o": ("plain", 4096, 4096),
+    "gate_up": ("norm", 28672, 4096), "down": ("silu", 4096, 14336),
+}
+BLOCK = 128
+SWEEP = ((2, 4096, 8), (4, 2048, 8), (4, 4096, 8), (8, 1024, 4), (8, 2048, 8),
+         (8, 4096, 8), (16, 1024, 4), (16, 2048, 8))
+
+
+def _quantize(w, block):
+    """(float8 weight, float32 scales, dequantized float32 weight) of a bf16 weight."""
+    import torch
+
+    from backend.core.fp8 import quantize_rows
+    from backend.core.loaders.fp8_checkpoint import dequantize
+
+    if not block:
+        q, s = quantize_rows(w)
+        return q, s.view(-1).contiguous(), q.float() * s
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.zeros(nb * block, kb * block, device=w.device)
+    padded[:n, :k] = w.float().abs()
+    s = (padded.view(nb, block, kb, block).amax((1, 3)) / 448).clamp(min=1e-12)
+    full = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    q = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s, dequantize(q, s, (block, block))
+
+
+class _Case:
+    """One projection's inputs and the ways to run it."""
+
+    def __init__(self, kind, rows, n, k, gen, device):
+        import torch
+
+        from backend.core.layers.basic import RMSNorm
+
+        dt = torch.bfloat16
+        self.kind, self.k = kind, k
+        self.norm = RMSNorm(k, 1e-5).to(device, dt)
+        with torch.no_grad():
+            self.norm.weight.copy_(1 + 0.3 * torch.randn(k, generator=gen, device=device))
+        width = 2 * k if kind == "silu" else k
+        self.x = (torch.randn(rows, width, generator=gen, device=device) * 2).to(dt)
+        self.res = torch.randn(rows, k, generator=gen, device=device).to(dt)
+
+    def activation(self):
+        """The projection's input as the torch modules make it, and the new residual."""
+        import torch.nn.functional as F
+
+        if self.kind == "norm":
+            return self.norm(self.x, self.res)
+        if self.kind == "silu":
+            gate, up = self.x.split(self.k, dim=-1)
+            return F.silu(gate) * up, None
+        return self.x, None
+
+    def fp8(self, q, s, block, config=None):
+        from backend.core.kernels import fp8_gemv as g
+
+        nw = self.norm.weight
+        if self.kind == "norm":
+            return lambda: g.fp8_rmsnorm_linear_rows(self.x, self.res, nw, 1e-5, q, s,
+                                                     block=block, config=config)
+        if self.kind == "silu":
+            return lambda: g.fp8_silu_mul_linear_rows(self.x, q, s, block=block, config=config)
+        return lambda: g.fp8_linear_rows(self.x, q, s, block=block, config=config)
+
+    def prologue(self):
+        """The prologue as its own fused launch (what precedes cuBLAS or W8A8)."""
+        from backend.core.kernels.fused import fused_add_rmsnorm, silu_and_mul
+
+        if self.kind == "norm":
+            return lambda: fused_add_rmsnorm(self.x, self.res, self.norm.weight, 1e-5)[0]
+        if self.kind == "silu":
+            return lambda: silu_and_mul(self.x)
+        return lambda: self.x
+
+    def bf16(self, w):
+        import torch.nn.functional as F
+
+        from backend.core.kernels import gemv
+
+        if self.x.shape[0] > gemv.MAX_ROWS:
+            before = self.prologue()
+            return lambda: F.linear(before(), w)
+        if self.kind == "norm":
+            return lambda: gemv.rmsnorm_linear_rows(self.x, self.res, self.norm.weight, 1e-5, w)
+        if self.kind == "silu":
+            return lambda: gemv.silu_mul_linear_rows(self.x, w)
+        return lambda: gemv.linear_rows(self.x, w)
+
+    def w8a8(self, layer):
+        before = self.prologue()
+        return lambda: layer(before())
+
+
+def check_gemv(device: str, sweep: bool = True) -> dict:
+    """The checks, timings and sweep above, as a dict (``ok``: no check failed)."""
+    import torch
+
+    with torch.no_grad():
+        return _check_gemv(device, sweep)
+
+
+def _check_gemv(device: str, sweep: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from backend.core.kernels.fp8_gemv import _config
+    from backend.core.layers.fp8_linear import Fp8Linear
+    from benchmarks.gpu.bench_engine import copy_bandwidth
+    from tools.check_gemv_gpu import time_graph
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    bw = copy_bandwidth(torch, device, 1 << 30)
+    out = {"copy_bw_TBps": round(bw / 1e12, 3), "errors": {}, "timing": {}, "sweep": {},
+           "failures": []}
+    print(f"fp8 gemv: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for name, (kind, n, k) in SHAPES.items():
+        w = (torch.randn(n, k, generator=gen, device=device) * k ** -0.5).to(torch.bfloat16)
+        for block in (0, BLOCK):
+            q, s, deq = _quantize(w, block)
+            for rows in (1, 8):
+                case = _Case(kind, rows, n, k, gen, device)
+                act, ref_res = case.activation()
+                ref = F.linear(act.float(), deq)
+                got = case.fp8(q, s, block)()
+                got, got_res = got if isinstance(got, tuple) else (got, None)
+                diff = (got.float() - ref).abs()
+                bound = 2 * 2.0 ** -7 * ref.abs() + 1e-2 * ref.abs().amax(1, keepdim=True)
+                key = f"{name}/{'block' if block else 'channel'}/m{rows}"
+                out["errors"][key] = round(float(diff.max() / ref.abs().max()), 6)
+                if (diff > bound).any():
+                    out["failures"].append(f"{key}: max diff {diff.max().item():.4g}")
+                if ref_res is not None and not torch.equal(got_res, ref_res):
+                    out["failures"].append(f"{key}: residual differs")
+        copies = max(2, -(-4 * l2 // (n * k)))  # float8 bytes; bf16 streams twice as many
+        ws = [w] + [w.clone() for _ in range(copies - 1)]
+        layers = [Fp8Linear.from_linear(_as_linear(x)) for x in ws]
+        for rows in (1, 8):
+            case = _Case(kind, rows, n, k, gen, device)
+            t = {"bf16_us": time_graph([case.bf16(x) for x in ws]),
+                 "w8a8_us": time_graph([case.w8a8(lay) for lay in layers]),
+                 "fp8_gemv_us": time_graph([case.fp8(lay.weight, lay.weight_scale, 0)
+                                            for lay in layers])}
+            t = {key: round(v * 1e6, 2) for key, v in t.items()}
+            t["fp8_gemv_hbm"] = round(n * k / (t["fp8_gemv_us"] * 1e-6) / bw, 3)
+            t["vs_bf16"] = round(t["bf16_us"] / t["fp8_gemv_us"], 3)
+            t["vs_w8a8"] = round(t["w8a8_us"] / t["fp8_gemv_us"], 3)
+            t["config"] = list(_config(n, k, rows))
+            out["timing"][f"{name}/m{rows}"] = t
+            print(f"fp8 gemv {name} m={rows}: {t}", flush=True)
+        if sweep:
+            case = _Case(kind, 1, n, k, gen, device)
+            grid = []
+            for config in SWEEP:
+                try:
+                    us = time_graph([case.fp8(lay.weight, lay.weight_scale, 0, config)
+                                     for lay in layers]) * 1e6
+                except Exception as exc:  # noqa: BLE001 - a config may not compile
+                    print(f"   config {config}: {type(exc).__name__}", flush=True)
+                    continue
+                grid.append([list(config), round(us, 2)])
+            grid.sort(key=lambda g: g[1])
+            out["sweep"][name] = grid
+            print(f"fp8 gemv sweep {name} (BLOCK_N, BLOCK_K, warps) us: {grid[:4]}", flush=True)
+        del ws, layers
+        torch.cuda.empty_cache()
+    out["ok"] = not out["failures"]
+    return out
+
+
+def _as_linear(weight):
+    import torch
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                             device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
