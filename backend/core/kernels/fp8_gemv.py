@@ -119,15 +119,19 @@ def _fp8_gemv_kernel(
 
 
 def _config(n: int, k: int, rows: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps). Bytes in flight per program as the bf16 kernels
-    have them (16 K weights a tile: 16 KB of float8), the whole row in one tile up to
-    K = 4096 and 2048-wide chunks past it; more rows keep the tile (each weight serves
-    every row), halved at 8 rows, where the per-row products outweigh the loads.
-    tools/gpu/fp8_gemv_checks.py sweeps the alternatives on the GPU."""
-    elems = 8192 if rows >= 8 else 16384
-    block_k = triton.next_power_of_2(k) if k <= 4096 else 2048
-    block_n = max(1, min(16, elems // block_k))
-    return block_n, block_k, 8 if block_k >= 2048 else 4
+    """(BLOCK_N, BLOCK_K, num_warps). The bf16 kernels' tile in weights (32 K of them up
+    to K = 4096: 32 KB of float8, the whole row in one tile) so that each program's
+    prologue, which re-reads its input rows (x, the residual, the norm weight: 24 KB at
+    K = 4096) from L2, stays small beside its weight bytes; 2048-wide chunks past
+    K = 4096, 8 outputs a program (512 programs for the 8B down projection). From 4 rows
+    on, half the tile: each weight, widened to float32 once, serves every row and stays
+    in registers meanwhile. tools/gpu/fp8_gemv_checks.py sweeps the alternatives."""
+    elems = 32768 if rows < 4 else 16384
+    if k <= 4096:
+        block_k = triton.next_power_of_2(k)
+        block_n = max(1, min(16, elems // block_k))
+        return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
+    return elems // 4096, 2048, 8
 
 
 def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None, eps=0.0,
