@@ -45,7 +45,7 @@ def measured():
     return measured
 
 
-# measured: agreement 0.912, mean KL 0.028, max KL 0.26
+# measured: agreement 0.912, mean KL 0.029, max KL 0.32 (2026-12-03)
 def test_fp8_weights(measured):
     q = measured["fp8_weights"]
     assert q.positions == 239
