@@ -10,7 +10,9 @@ Decode speed and quality of bf16 vs FP8 weights vs FP8 KV vs both:
   pool equals the torch backend's; the per-token quantizer equals its torch reference;
   ``_scaled_mm`` equals the dequantized float32 product; the weight-only FP8
   matrix-vector kernels match torch and are timed against bf16 and W8A8, with a tile
-  sweep (``fp8_gemv_checks.py``; ``--no-sweep`` skips the sweep).
+  sweep (``fp8_gemv_checks.py``; ``--no-sweep`` skips the sweep), and a 2-layer
+  8B-shaped FP8 model's decode step through them is closer to its dequantized
+  reference than through W8A8.
 * gemm: time of one projection of Llama-3.1-8B's shapes at 1/32/128/1024 tokens, bf16
   ``F.linear`` vs ``Fp8Linear`` (weight-only kernels up to 8 rows, per-token
   quantization + ``_scaled_mm`` above), the choice ``layers/fp8_linear.py`` explains.
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
     ok = True
     if "kernels" in parts:
         started = time.perf_counter()
-        from tools.gpu.fp8_gemv_checks import check_gemv
+        from tools.gpu.fp8_gemv_checks import check_gemv, check_model
         from tools.gpu.fp8_kernel_checks import check_kernels
 
         report["kernels"] = check_kernels(args.device)
@@ -241,7 +243,9 @@ def main(argv=None) -> int:
         report["kernels"]["fp8_gemv"] = gemv = check_gemv(args.device, sweep=not args.no_sweep)
         for failure in gemv["failures"]:
             print("FAIL fp8 gemv", failure, flush=True)
-        ok = report["kernels"]["ok"] and gemv["ok"]
+        report["kernels"]["fp8_model"] = model = check_model(shape_folder("llama-8b", smollm2),
+                                                             args.device)
+        ok = report["kernels"]["ok"] and gemv["ok"] and model["ok"]
         save("kernels", started)
     if "gemm" in parts:
         started = time.perf_counter()
