@@ -12,7 +12,9 @@ GPU, part of ``check_fp8.py``'s ``kernels`` part:
   streaming its weights from HBM (copies totalling over 4x the L2 cache, replayed in a
   CUDA graph), with the bandwidth reached against a device-to-device copy;
 * a tile sweep at 1 row (per-channel scales): the best (BLOCK_N, BLOCK_K, warps) of
-  each shape next to ``_config``'s choice.
+  each shape next to ``_config``'s choice;
+* ``check_model``: an FP8 model's decode step through the engine's forward, weight-only
+  against W8A8, each against the model's dequantized torch reference.
 """
 from __future__ import annotations
 

@@ -119,14 +119,17 @@ def _fp8_gemv_kernel(
 
 
 def _config(n: int, k: int, rows: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps). The bf16 kernels' tile in weights (32 K of them up
-    to K = 4096: 32 KB of float8, the whole row in one tile) so that each program's
-    prologue, which re-reads its input rows (x, the residual, the norm weight: 24 KB at
-    K = 4096) from L2, stays small beside its weight bytes; 2048-wide chunks past
-    K = 4096, 8 outputs a program (512 programs for the 8B down projection). From 4 rows
-    on, half the tile: each weight, widened to float32 once, serves every row and stays
-    in registers meanwhile. tools/gpu/fp8_gemv_checks.py sweeps the alternatives."""
-    elems = 32768 if rows < 4 else 16384
+    """(BLOCK_N, BLOCK_K, num_warps). At one row, the bf16 kernels' tiles in bytes (twice
+    their weights): 8 x 4096 float8 weights, the whole row in one tile up to K = 4096,
+    so that each program's prologue, which re-reads its input row (x, the residual, the
+    norm weight: 24 KB at K = 4096) from L2, stays small beside its 32 KB of weights;
+    8 x 2048 chunks past K = 4096 (512 programs for the 8B down projection). From 2 rows
+    on, half the tile: each weight, widened to float32 once,
+    serves every row and stays in registers meanwhile (compiled for sm_90 at 8 warps:
+    60-110 registers a thread at one row, 77-128 at 2-8 rows with the half tile, where
+    the full one takes over 200, no spills). tools/gpu/fp8_gemv_checks.py sweeps the
+    alternatives."""
+    elems = 32768 if rows == 1 else 16384
     if k <= 4096:
         block_k = triton.next_power_of_2(k)
         block_n = max(1, min(16, elems // block_k))
