@@ -166,6 +166,41 @@ for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
     CASES[f"model-{_arch}-12-rows-w8a8"] = (_case_model, dict(arch=_arch, prompt_len=12))
 
 
+def _layer(bias: bool = False):
+    from torch import nn
+
+    from backend.core.layers.fp8_linear import Fp8Linear
+    torch.manual_seed(0)
+    return Fp8Linear.from_linear(nn.Linear(32, 24, bias=bias))
+
+
+def test_the_dequantized_weight_is_each_float8_value_times_its_row_scale():
+    layer = _layer()
+    want = layer.weight.float() * layer.weight_scale.view(24, 1)
+    assert torch.equal(layer.dequantized(), want)
+    assert torch.equal(layer.dequantized(torch.float16), want.half())
+
+
+def test_only_batches_of_one_to_eight_contiguous_rows_take_the_kernels_with_fuse_rows():
+    layer = _layer()
+    x = torch.randn(8, 32)
+    assert not layer.rows_fusable(x)  # fuse_rows is off until the runner sets it (CUDA)
+    layer.fuse_rows = True
+    assert layer.rows_fusable(x) and layer.rows_fusable(x[:1])
+    assert layer.rows_fusable(x.half()) and layer.rows_fusable(x.bfloat16())
+    assert not layer.rows_fusable(torch.randn(9, 32))  # W8A8 above 8 rows
+    assert not layer.rows_fusable(x[:0])
+    assert not layer.rows_fusable(torch.randn(32, 8).t())  # K not contiguous
+    assert not layer.rows_fusable(x.view(2, 4, 32))
+
+
+def test_a_bias_must_share_the_rows_dtype():
+    layer = _layer(bias=True)
+    layer.fuse_rows = True
+    assert layer.rows_fusable(torch.randn(2, 32))  # float32 bias, float32 rows
+    assert not layer.rows_fusable(torch.randn(2, 32).half())
+
+
 def _worker() -> None:
     from triton.runtime.interpreter import InterpretedFunction
     from backend.core.kernels import fp8_gemv
