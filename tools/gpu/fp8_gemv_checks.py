@@ -6,13 +6,14 @@ GPU, part of ``check_fp8.py``'s ``kernels`` part:
   and 128x128 block scales, against the torch modules followed by ``F.linear`` with the
   dequantized float32 weight (bf16 bound: 2 ulps of the output plus 1% of the row's
   largest output, as tools/check_gemv_gpu.py); the new residual bit for bit;
-* time of each projection, prologue included, against what runs otherwise: bf16
-  (the bf16 GEMV at 1 row, the fused norm or SiLU-and-mul then cuBLAS at 8) and W8A8
-  (the same prologue, then the per-token quantization and ``_scaled_mm``), each call
-  streaming its weights from HBM (copies totalling over 4x the L2 cache, replayed in a
-  CUDA graph), with the bandwidth reached against a device-to-device copy;
-* a tile sweep at 1 row (per-channel scales): the best (BLOCK_N, BLOCK_K, warps) of
-  each shape next to ``_config``'s choice;
+* time of each projection at 1, 2, 4 and 8 rows, prologue included, against what runs
+  otherwise: bf16 (the bf16 GEMV at 1 row, the fused norm or SiLU-and-mul then cuBLAS
+  above) and W8A8 (the same prologue, then the per-token quantization and
+  ``_scaled_mm``), each call streaming its weights from HBM (copies totalling over 4x
+  the L2 cache, replayed in a CUDA graph), with the bandwidth reached against a
+  device-to-device copy;
+* a tile sweep at 1 row (per-channel scales): (BLOCK_N, BLOCK_K, warps) of each shape,
+  ``_config``'s choice among them, fastest first;
 * ``check_model``: an FP8 model's decode step through the engine's forward, weight-only
   against W8A8, each against the model's dequantized torch reference.
 """
@@ -23,8 +24,9 @@ SHAPES = {  # name: (prologue, N, K)
     "gate_up": ("norm", 28672, 4096), "down": ("silu", 4096, 14336),
 }
 BLOCK = 128
-SWEEP = ((4, 4096, 8), (8, 4096, 8), (8, 4096, 16), (16, 4096, 16), (8, 2048, 8),
-         (16, 2048, 8), (16, 1024, 4), (32, 1024, 8))
+TIMED_ROWS = (1, 2, 4, 8)  # where weight-only stops beating W8A8 sets MAX_ROWS
+SWEEP = ((4, 4096, 8), (8, 4096, 16), (16, 4096, 16), (8, 2048, 8), (16, 2048, 8),
+         (32, 1024, 8))
 
 
 def _quantize(w, block):
@@ -159,7 +161,7 @@ def _check_gemv(device: str, sweep: bool) -> dict:
         copies = max(2, -(-4 * l2 // (n * k)))  # float8 bytes; bf16 streams twice as many
         ws = [w] + [w.clone() for _ in range(copies - 1)]
         layers = [Fp8Linear.from_linear(_as_linear(x)) for x in ws]
-        for rows in (1, 8):
+        for rows in TIMED_ROWS:
             case = _Case(kind, rows, n, k, gen, device)
             t = {"bf16_us": time_graph([case.bf16(x) for x in ws]),
                  "w8a8_us": time_graph([case.w8a8(lay) for lay in layers]),
@@ -175,7 +177,7 @@ def _check_gemv(device: str, sweep: bool) -> dict:
         if sweep:
             case = _Case(kind, 1, n, k, gen, device)
             grid = []
-            for config in SWEEP:
+            for config in dict.fromkeys([_config(n, k, 1), *SWEEP]):
                 try:
                     us = time_graph([case.fp8(lay.weight, lay.weight_scale, 0, config)
                                      for lay in layers]) * 1e6
