@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from backend.core.layers.fp8_linear import WEIGHT_ONLY_ROWS
 from interpreter_cases import REPO, results_of, run_cases
 
 FP8 = torch.float8_e4m3fn
@@ -110,8 +111,8 @@ def _case_refuses_nine_rows():
 def _case_model(arch, prompt_len):
     """An FP8 model's logits with its small batches on the kernels (``fuse_rows``, as the
     runner sets it on CUDA) against the same model with every Fp8Linear swapped for its
-    dequantized nn.Linear. Up to 8 rows: the same numbers up to float32 sum order; more
-    rows: the W8A8 product, bit for bit as with fuse_rows off."""
+    dequantized nn.Linear. Up to WEIGHT_ONLY_ROWS: the same numbers up to float32 sum
+    order; more rows: the W8A8 product, bit for bit as with fuse_rows off."""
     import tempfile
     from pathlib import Path
 
@@ -130,7 +131,7 @@ def _case_model(arch, prompt_len):
     got, plain, want = (quality.text_logits(r, [prompt])[0] for r in (fused, w8a8, ref))
     err = ((got - want).abs().max() / want.abs().max()).item()
     w8a8_err = ((plain - want).abs().max() / want.abs().max()).item()
-    if prompt_len <= 8:
+    if prompt_len <= WEIGHT_ONLY_ROWS:
         assert err < 1e-5, err
         assert w8a8_err > 100 * err, (w8a8_err, err)  # the activations' own rounding
     else:
@@ -162,8 +163,10 @@ CASES["linear-block16-narrow-tiles"] = (_case_linear, dict(n=50, k=72, rows=2, b
                                                            config=(4, 32, 4)))
 CASES["refuses-nine-rows"] = (_case_refuses_nine_rows, {})
 for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
-    CASES[f"model-{_arch}-6-rows"] = (_case_model, dict(arch=_arch, prompt_len=6))
-    CASES[f"model-{_arch}-12-rows-w8a8"] = (_case_model, dict(arch=_arch, prompt_len=12))
+    CASES[f"model-{_arch}-weight-only-rows"] = (
+        _case_model, dict(arch=_arch, prompt_len=WEIGHT_ONLY_ROWS))
+    CASES[f"model-{_arch}-one-row-more-w8a8"] = (
+        _case_model, dict(arch=_arch, prompt_len=WEIGHT_ONLY_ROWS + 1))
 
 
 def _layer(bias: bool = False):
@@ -181,17 +184,17 @@ def test_the_dequantized_weight_is_each_float8_value_times_its_row_scale():
     assert torch.equal(layer.dequantized(torch.float16), want.half())
 
 
-def test_only_batches_of_one_to_eight_contiguous_rows_take_the_kernels_with_fuse_rows():
+def test_only_batches_of_up_to_weight_only_rows_take_the_kernels_with_fuse_rows():
     layer = _layer()
-    x = torch.randn(8, 32)
+    x = torch.randn(WEIGHT_ONLY_ROWS, 32)
     assert not layer.rows_fusable(x)  # fuse_rows is off until the runner sets it (CUDA)
     layer.fuse_rows = True
     assert layer.rows_fusable(x) and layer.rows_fusable(x[:1])
     assert layer.rows_fusable(x.half()) and layer.rows_fusable(x.bfloat16())
-    assert not layer.rows_fusable(torch.randn(9, 32))  # W8A8 above 8 rows
+    assert not layer.rows_fusable(torch.randn(WEIGHT_ONLY_ROWS + 1, 32))  # W8A8 above
     assert not layer.rows_fusable(x[:0])
     assert not layer.rows_fusable(torch.randn(32, 8).t())  # K not contiguous
-    assert not layer.rows_fusable(x.view(2, 4, 32))
+    assert not layer.rows_fusable(x.view(WEIGHT_ONLY_ROWS, 1, 32))
 
 
 def test_a_bias_must_share_the_rows_dtype():

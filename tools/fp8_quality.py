@@ -9,8 +9,8 @@ give float32 logits at every position. Measured over all positions of all texts:
 * ``max_kl``: the largest KL at any one position.
 
 An FP8-weight engine computes two products (layers/fp8_linear.py): W8A8 (activations
-quantized per token too) for prefill and batches above 8 rows, and weight-only (the
-activations as they are) for decode batches of up to 8 rows on the GPU. Prefill logits
+quantized per token too) for prefill and larger batches, and weight-only (the
+activations as they are) for decode at batch 1 and 2 on the GPU. Prefill logits
 measure the first; ``weight_only`` turns a runner's FP8 layers into the second's torch
 reference, so the CPU measures both.
 

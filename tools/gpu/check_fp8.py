@@ -14,7 +14,7 @@ Decode speed and quality of bf16 vs FP8 weights vs FP8 KV vs both:
   8B-shaped FP8 model's decode step through them is closer to its dequantized
   reference than through W8A8.
 * gemm: time of one projection of Llama-3.1-8B's shapes at 1/32/128/1024 tokens, bf16
-  ``F.linear`` vs ``Fp8Linear`` (weight-only kernels up to 8 rows, per-token
+  ``F.linear`` vs ``Fp8Linear`` (weight-only kernels at 1 token, per-token
   quantization + ``_scaled_mm`` above), the choice ``layers/fp8_linear.py`` explains.
 * speed: output tokens/s at batch 1/32/128 (``--batches``; 32-token prompts, 128 new
   tokens) for an 8B-shaped random-weight model and SmolLM2 (``--speed-models``), one
@@ -91,7 +91,7 @@ def time_gemm(device: str) -> dict:
     for name, (k, n) in GEMM_SHAPES.items():
         lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
         fp8 = Fp8Linear.from_linear(lin)
-        fp8.fuse_rows = True  # as the runner sets it: weight-only up to 8 rows
+        fp8.fuse_rows = True  # as the runner sets it: weight-only for the smallest batches
         for m in (1, 32, 128, 1024):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             bf16_us = _cuda_time(lambda: F.linear(x, lin.weight))

@@ -24,7 +24,7 @@ SHAPES = {  # name: (prologue, N, K)
     "gate_up": ("norm", 28672, 4096), "down": ("silu", 4096, 14336),
 }
 BLOCK = 128
-TIMED_ROWS = (1, 2, 4, 8)  # where weight-only stops beating W8A8 sets MAX_ROWS
+TIMED_ROWS = (1, 2, 4, 8)  # where weight-only stops beating W8A8 sets WEIGHT_ONLY_ROWS
 # the kernel issues about 4-5 instructions a float8 weight at one row (sm_90 SASS), near
 # the issue rate HBM allows: fewer warps amortise the reductions over more weights
 SWEEP = ((4, 4096, 8), (8, 4096, 4), (8, 4096, 16), (16, 4096, 16), (8, 2048, 8),

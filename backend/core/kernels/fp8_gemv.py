@@ -1,4 +1,4 @@
-"""Weight-only FP8 matrix-vector products for small decode batches (1 to MAX_ROWS rows).
+"""Weight-only FP8 matrix-vector products for the smallest decode batches (1 to 8 rows).
 
 At batch 1 a decode step reads every weight once and does two flops per byte of bf16
 weight: it is bound by the weight bytes, not by the multiplies. Float8 e4m3 weights
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .gemv import _input_chunk, _normalise
 
-MAX_ROWS = 8  # above this the W8A8 GEMM (fp8_linear.py) takes over
+MAX_ROWS = 8  # Fp8Linear sends up to its WEIGHT_ONLY_ROWS here, W8A8 above
 
 _NONE, _NORM, _ADD_NORM, _SILU_MUL = 0, 1, 2, 3
 

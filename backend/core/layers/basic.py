@@ -6,9 +6,9 @@ math order, so CPU results match the reference implementations exactly.
 
 Small decode batches go further when ``fuse_rows`` is set (the model runner sets it on
 CUDA): the norm before a projection and the SiLU-and-mul before the down projection run
-as the prologue of a matrix-vector kernel (``kernels/gemv.py``; for FP8 layers of up to
-8 rows, ``kernels/fp8_gemv.py`` through ``Fp8Linear``), one launch per projection
-instead of two."""
+as the prologue of a matrix-vector kernel (``kernels/gemv.py``; for FP8 layers,
+``kernels/fp8_gemv.py`` through ``Fp8Linear``), one launch per projection instead of
+two."""
 from __future__ import annotations
 
 import torch

@@ -18,13 +18,14 @@ are bound by the matrix products, and the float8 tensor cores run twice the bf16
 a weight-only kernel halves the weight bytes too but computes in bf16.
 ``tools/gpu/check_fp8.py`` measures both products by batch size.
 
-Batches of at most ``kernels/fp8_gemv.MAX_ROWS`` rows (decode at batch 1..8) are bound
-by the weight bytes instead, and there the layer skips the activation quantization:
-with ``fuse_rows`` set (the model runner sets it on CUDA, as for the bf16 matrix-vector
-kernels) they take weight-only products, the model-dtype rows times the float8 weight
-widened in registers, with the norm or SiLU-and-mul before the projection fused in
-(``rmsnorm_linear``, ``silu_mul_linear``; ``layers/basic.py`` calls them). Their numbers
-are those of ``F.linear(x, dequantized())`` up to the order of the float32 sums.
+Batches of at most ``WEIGHT_ONLY_ROWS`` rows (decode at batch 1 and 2) are bound by the
+weight bytes instead, and there the layer skips the activation quantization: with
+``fuse_rows`` set (the model runner sets it on CUDA, as for the bf16 matrix-vector
+kernels) they take weight-only products (``kernels/fp8_gemv.py``), the model-dtype rows
+times the float8 weight widened in registers, with the norm or SiLU-and-mul before the
+projection fused in (``rmsnorm_linear``, ``silu_mul_linear``; ``layers/basic.py`` calls
+them). Their numbers are those of ``F.linear(x, dequantized())`` up to the order of the
+float32 sums.
 
 On CPU (and wherever ``_scaled_mm`` does not apply: dimensions not multiples of 16)
 the same quantized operands are dequantized to float32 and multiplied there: the same
@@ -41,6 +42,12 @@ from ..fp8 import FP8_DTYPE, MIN_SCALE, FP8_MAX, quantize_rows, to_fp8
 
 # _scaled_mm needs both dimensions of the weight to be multiples of 16
 _MM_ALIGN = 16
+# Rows up to which the weight-only kernels run (they take up to fp8_gemv.MAX_ROWS = 8).
+# Their multiplies run on the CUDA cores: compiled for sm_90 they issue about 5
+# instructions a float8 weight at one row and 3.5 more for each further row, so from
+# about 4 rows on the issue rate, not HBM, bounds them, where W8A8's tensor cores do
+# not; tools/gpu/fp8_gemv_checks.py times both at 1, 2, 4 and 8 rows.
+WEIGHT_ONLY_ROWS = 2
 
 
 class Fp8Linear(nn.Module):
@@ -81,11 +88,10 @@ class Fp8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows_fusable(self, x: torch.Tensor) -> bool:
-        """Whether the weight-only kernels take ``x``: ``fuse_rows`` set, 1..MAX_ROWS
-        rows with unit stride on K, a float dtype the bias (if any) shares."""
-        from ..kernels.fp8_gemv import MAX_ROWS
-
-        return (self.fuse_rows and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+        """Whether the weight-only kernels take ``x``: ``fuse_rows`` set, 1 to
+        WEIGHT_ONLY_ROWS rows with unit stride on K, a float dtype the bias (if any)
+        shares."""
+        return (self.fuse_rows and x.dim() == 2 and 0 < x.shape[0] <= WEIGHT_ONLY_ROWS
                 and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
                 and (self.bias is None or self.bias.dtype == x.dtype))
