@@ -47,7 +47,7 @@ def _fp8_gemv_kernel(
     N, K, stride_x, stride_r, stride_wn, stride_sn, scale_rows, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,7 +60,7 @@ def _fp8_gemv_kernel(
     s_row = Scale + ((pid * BLOCK_N) // scale_rows) * stride_sn
     is_norm = PROLOGUE == 1 or PROLOGUE == 2
     acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
-    if BLOCK_K >= K:
+    if WHOLE_ROW:  # BLOCK_K >= K, known at launch: one branch compiled, not two
         # the whole row at once: the weight tile is requested before the input rows
         kmask = rk < K
         w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
@@ -126,8 +126,8 @@ def _config(n: int, k: int, rows: int) -> tuple[int, int, int]:
     8 x 2048 chunks past K = 4096 (512 programs for the 8B down projection). From 2 rows
     on, half the tile: each weight, widened to float32 once,
     serves every row and stays in registers meanwhile (compiled for sm_90 at 8 warps:
-    60-110 registers a thread at one row, 77-128 at 2-8 rows with the half tile, where
-    the full one takes over 200, no spills). tools/gpu/fp8_gemv_checks.py sweeps the
+    60-90 registers a thread at one row, about 100 at 2-8 rows with the half tile, where
+    the full one takes 165-190; no spills). tools/gpu/fp8_gemv_checks.py sweeps the
     alternatives."""
     elems = 32768 if rows == 1 else 16384
     if k <= 4096:
@@ -165,7 +165,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         stride_sn, block or 1, float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None, SCALE_BLOCK=block or 0,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps,
+        WHOLE_ROW=block_k >= k, num_warps=warps,
     )
     return out
 
