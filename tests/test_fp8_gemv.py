@@ -67,7 +67,7 @@ def _case_linear(n, k, rows, block, dtype=torch.float32, bias=False, config=None
     _check(got, ref, dtype, x, w)
 
 
-def _case_norm_linear(n, k, rows, block, residual, dtype=torch.float32):
+def _case_norm_linear(n, k, rows, block, residual, dtype=torch.float32, config=None):
     from backend.core.kernels.fp8_gemv import fp8_rmsnorm_linear_rows
     from backend.core.layers.basic import RMSNorm
     q, scale, w, _ = _weights(n, k, block, n * k)
@@ -81,13 +81,13 @@ def _case_norm_linear(n, k, rows, block, residual, dtype=torch.float32):
     normed, ref_res = (norm(x), x) if res is None else norm(x, res)
     ref = torch.nn.functional.linear(normed.float(), w).to(dtype)
     got, got_res = fp8_rmsnorm_linear_rows(x, res, norm.weight, norm.eps, q, scale,
-                                           block=block)
+                                           block=block, config=config)
     _check(got, ref, dtype, normed, w)
     assert torch.equal(got_res, ref_res)  # each row's new residual, rounded once
     assert (got_res is x) == (res is None)
 
 
-def _case_silu_linear(n, k, rows, block, dtype=torch.float32):
+def _case_silu_linear(n, k, rows, block, dtype=torch.float32, config=None):
     from backend.core.kernels.fp8_gemv import fp8_silu_mul_linear_rows
     from backend.core.layers.basic import GatedMLP
     q, scale, w, _ = _weights(n, k, block, n + 7 * k)
@@ -98,7 +98,8 @@ def _case_silu_linear(n, k, rows, block, dtype=torch.float32):
     gate, up = gate_up.split(k, dim=-1)
     act = torch.nn.functional.silu(gate) * up  # the module's rounding points
     ref = torch.nn.functional.linear(act.float(), w).to(dtype)
-    _check(fp8_silu_mul_linear_rows(gate_up, q, scale, block=block), ref, dtype, act, w)
+    _check(fp8_silu_mul_linear_rows(gate_up, q, scale, block=block, config=config), ref, dtype,
+           act, w)
 
 
 def _case_refuses_nine_rows():
@@ -160,7 +161,14 @@ for _block in (0, 128):
         n=9, k=5000, rows=3, block=_block, dtype=torch.float16))
 # small scale blocks: several block rows, each spanning programs of 4 rows
 CASES["linear-block16-narrow-tiles"] = (_case_linear, dict(n=50, k=72, rows=2, block=16,
-                                                           config=(4, 32, 4)))
+                                                           config=(4, 32, 4, 1)))
+# one row in pipelined chunks (the GPU's alternative tiles), every prologue
+for _name, _case, _extra in (("linear", _case_linear, {}),
+                             ("add-norm-linear", _case_norm_linear, dict(residual=True)),
+                             ("silu-linear", _case_silu_linear, {})):
+    for _block in (0, 32):
+        CASES[f"{_name}-pipelined-chunks-block{_block}"] = (_case, dict(
+            n=40, k=600, rows=1, block=_block, config=(8, 128, 4, 3), **_extra))
 CASES["refuses-nine-rows"] = (_case_refuses_nine_rows, {})
 for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
     CASES[f"model-{_arch}-weight-only-rows"] = (

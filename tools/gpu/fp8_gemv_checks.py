@@ -25,10 +25,12 @@ SHAPES = {  # name: (prologue, N, K)
 }
 BLOCK = 128
 TIMED_ROWS = (1, 2, 4, 8)  # where weight-only stops beating W8A8 sets WEIGHT_ONLY_ROWS
-# the kernel issues about 4-5 instructions a float8 weight at one row (sm_90 SASS), near
-# the issue rate HBM allows: fewer warps amortise the reductions over more weights
-SWEEP = ((4, 4096, 8), (8, 4096, 4), (8, 4096, 16), (16, 4096, 16), (8, 2048, 8),
-         (16, 2048, 8))
+# (BLOCK_N, BLOCK_K, warps, stages). At one row the kernel issues 3.4-6.5 instructions a
+# float8 weight (sm_90 SASS), near the issue rate HBM allows, so tiles that spend fewer
+# can win: fewer warps (reductions over more weights a thread), chunks summed into a 2-D
+# accumulator (BLOCK_K < K: one fused multiply-add a weight), pipelined chunks (stages > 1)
+SWEEP = ((4, 4096, 8, 1), (8, 4096, 4, 1), (16, 4096, 16, 1), (8, 2048, 8, 1),
+         (8, 2048, 8, 2), (8, 1024, 8, 3), (16, 512, 8, 4))
 
 
 def _quantize(w, block):

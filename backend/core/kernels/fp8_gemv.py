@@ -47,7 +47,7 @@ def _fp8_gemv_kernel(
     N, K, stride_x, stride_r, stride_wn, stride_sn, scale_rows, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,7 +94,12 @@ def _fp8_gemv_kernel(
                     ss += x * x
                 rstd_m = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
                 rstds += tl.where(rows == m, rstd_m, 0.0)
-        for k0 in range(0, K, BLOCK_K):
+        # one row: products summed into a [BLOCK_N, BLOCK_K] accumulator (one fused
+        # multiply-add a weight, reduced once at the end) rather than reduced per chunk
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        # STAGES > 1: the weight chunks stream through shared memory (asynchronous
+        # copies), STAGES - 1 chunks ahead of the products
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             kk = k0 + rk
             kmask = kk < K
             w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
@@ -108,8 +113,13 @@ def _fp8_gemv_kernel(
                     x = _normalise(x, NormW, kk, kmask, rstd, dtype)
                 if SCALE_BLOCK > 0:
                     x = x * ks
-                part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+                if ROWS == 1:
+                    acc2 += w.to(tl.float32) * x[None, :]
+                else:
+                    part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+                    acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+        if ROWS == 1:
+            acc += tl.sum(acc2, axis=1)[None, :]
     if SCALE_BLOCK == 0:
         acc = acc * tl.load(Scale + rn, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -118,8 +128,8 @@ def _fp8_gemv_kernel(
     tl.store(out, acc.to(dtype), mask=(rows[:, None] < ROWS) & nmask[None, :])
 
 
-def _config(n: int, k: int, rows: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps). At one row, the bf16 kernels' tiles in bytes (twice
+def _config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, pipeline stages of the chunk loop). At one row, the bf16 kernels' tiles in bytes (twice
     their weights): 8 x 4096 float8 weights, the whole row in one tile up to K = 4096,
     so that each program's prologue, which re-reads its input row (x, the residual, the
     norm weight: 24 KB at K = 4096) from L2, stays small beside its 32 KB of weights;
@@ -127,14 +137,15 @@ def _config(n: int, k: int, rows: int) -> tuple[int, int, int]:
     on, half the tile: each weight, widened to float32 once,
     serves every row and stays in registers meanwhile (compiled for sm_90 at 8 warps:
     60-90 registers a thread at one row, about 100 at 2-8 rows with the half tile, where
-    the full one takes 165-190; no spills). tools/gpu/fp8_gemv_checks.py sweeps the
-    alternatives."""
+    the full one takes 165-190; no spills). Chunks of one row are summed into a 2-D
+    accumulator, one fused multiply-add a weight; stages > 1 pipelines them through
+    shared memory. tools/gpu/fp8_gemv_checks.py sweeps the alternatives."""
     elems = 32768 if rows == 1 else 16384
     if k <= 4096:
         block_k = triton.next_power_of_2(k)
         block_n = max(1, min(16, elems // block_k))
-        return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
-    return elems // 4096, 2048, 8
+        return block_n, block_k, 8 if block_n * block_k >= 8192 else 4, 1
+    return elems // 4096, 2048, 8, 1
 
 
 def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None, eps=0.0,
@@ -145,7 +156,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
     assert x.stride(-1) == 1, "K must be contiguous"
     assert bias is None or bias.dtype == x.dtype
-    block_n, block_k, warps = config or _config(n, k, rows)
+    block_n, block_k, warps, stages = config or _config(n, k, rows)
     if block:
         assert scale.shape == (triton.cdiv(n, block), triton.cdiv(k, block)), scale.shape
         assert scale.stride(1) == 1
@@ -165,7 +176,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         stride_sn, block or 1, float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None, SCALE_BLOCK=block or 0,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        WHOLE_ROW=block_k >= k, num_warps=warps,
+        WHOLE_ROW=block_k >= k, STAGES=stages, num_warps=warps,
     )
     return out
 
