@@ -232,3 +232,52 @@ def test_fp8_gemv_case(results, case_id):
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     _worker()
+
+
+def _compile_for_h200(prologue, rows, config, block, k):
+    """The kernel compiled ahead of time for sm_90 (the H200) by the installed Triton and
+    its ptxas, without a GPU; returns ptxas' resource line for it."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from backend.core.kernels import fp8_gemv
+    block_n, block_k, warps, stages = config
+    pointers = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "W": "*fp8e4nv",
+                "Scale": "*fp32", "Bias": "*bf16", "Out": "*bf16", "ResOut": "*bf16"}
+    ints = dict.fromkeys(["N", "K", "stride_x", "stride_r", "stride_wn", "stride_sn",
+                          "scale_rows"], "i32")
+    consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
+                  ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                  WHOLE_ROW=block_k >= k, STAGES=stages)
+    signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
+    names = list(signature)
+    aligned = list(pointers) + ["N", "K", "stride_x", "stride_r", "stride_wn"]
+    source = ASTSource(fp8_gemv._fp8_gemv_kernel, signature,
+                       {(names.index(c),): v for c, v in consts.items()},
+                       {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    return next(line for line in usage.splitlines() if "REG:" in line)
+
+
+@pytest.mark.parametrize("prologue, rows, block, k", [
+    (2, 1, 0, 4096), (0, 1, 128, 4096), (3, 1, 0, 14336), (2, 2, 128, 4096), (3, 8, 0, 14336)])
+def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, rows, block, k):
+    """The interpreter cannot tell whether the GPU compiler takes a kernel: the 8B
+    shapes' default tiles (add-norm before qkv/gate_up, plain, SiLU before down) compile
+    for sm_90 and keep everything in registers (no local memory)."""
+    from backend.core.kernels.fp8_gemv import _config
+    usage = _compile_for_h200(prologue, rows, _config(4096, k, rows), block, k)
+    assert "LOCAL:0 " in usage, usage
