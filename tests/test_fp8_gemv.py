@@ -4,7 +4,8 @@ via the Triton interpreter: each against the torch modules it replaces followed 
 prologue, 1..8 rows and dimensions that fit no tile; then an FP8 model whose small
 batches take them, against its weight-only reference in torch. Cases run in a worker
 subprocess (see interpreter_cases.py); half precision is fp16 here, bf16 is checked on
-the GPU by tools/gpu/fp8_gemv_checks.py."""
+the GPU by tools/gpu/fp8_gemv_checks.py. Last, the default tiles compile for the H200
+(sm_90) without spilling, which the interpreter cannot tell."""
 from __future__ import annotations
 
 import sys
