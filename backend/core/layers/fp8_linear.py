@@ -43,7 +43,7 @@ from ..fp8 import FP8_DTYPE, MIN_SCALE, FP8_MAX, quantize_rows, to_fp8
 # _scaled_mm needs both dimensions of the weight to be multiples of 16
 _MM_ALIGN = 16
 # Rows up to which the weight-only kernels run (they take up to fp8_gemv.MAX_ROWS = 8).
-# Their multiplies run on the CUDA cores: compiled for sm_90 they issue about 5
+# Their multiplies run on the CUDA cores: compiled for sm_90 they issue 3.5 to 6.5
 # instructions a float8 weight at one row and 3.5 more for each further row, so from
 # about 4 rows on the issue rate, not HBM, bounds them, where W8A8's tensor cores do
 # not; tools/gpu/fp8_gemv_checks.py times both at 1, 2, 4 and 8 rows.
