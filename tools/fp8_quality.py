@@ -8,6 +8,12 @@ give float32 logits at every position. Measured over all positions of all texts:
 * ``mean_kl``: the mean KL(reference || quantized) of the softmax distributions, in nats;
 * ``max_kl``: the largest KL at any one position.
 
+An FP8-weight engine computes two products (layers/fp8_linear.py): W8A8 (activations
+quantized per token too) for prefill and larger batches, and weight-only (the
+activations as they are) for decode at batch 1 and 2 on the GPU. Prefill logits
+measure the first; ``weight_only`` turns a runner's FP8 layers into the second's torch
+reference, so the CPU measures both.
+
 Used by tests/test_fp8_quality.py on the CPU and tools/gpu/check_fp8.py on the GPU.
 """
 from __future__ import annotations
@@ -59,6 +65,16 @@ rows 1.., KV slots 1.."""
                                logits_indices=list(range(total)), device=runner.to_device)
     logits = runner.forward(batch).float().cpu()
     return list(logits.split(lens))
+
+
+def weight_only(runner):
+    """``runner`` (a ``ModelRunner`` with FP8 weights) with every FP8 layer replaced by
+    its dequantized weight in the model dtype: the numbers the weight-only matrix-vector
+    kernels give, up to the order of their float32 sums."""
+    from backend.core.layers.fp8_linear import dequantize_linears
+
+    dequantize_linears(runner.model, runner.dtype)
+    return runner
 
 
 def compare(reference: list[torch.Tensor], other: list[torch.Tensor]) -> Quality:

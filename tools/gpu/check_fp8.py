@@ -1,23 +1,31 @@
-"""FP8 on the GPU: kernels against torch, W8A8 products against bf16, decode speed and
-quality of bf16 vs FP8 weights vs FP8 KV vs both.
+"""FP8 on the GPU: kernels against torch, FP8 products and decode speed against bf16.
+
+Decode speed and quality of bf16 vs FP8 weights vs FP8 KV vs both:
 
     python3 tools/gpu/check_fp8.py --out $OUT [--smollm2 DIR] [--parts kernels,gemm,speed,quality]
+        [--settings bf16,fp8_weights] [--batches 1] [--speed-models llama-8b] [--no-sweep]
 
 * kernels: the float8 KV stores (store_kv, the fused rotary store, the decode kernel's
   own store) give the bytes ``KVPool.store`` gives, exactly; attention over a float8
   pool equals the torch backend's; the per-token quantizer equals its torch reference;
-  ``_scaled_mm`` equals the dequantized float32 product.
+  ``_scaled_mm`` equals the dequantized float32 product; the weight-only FP8
+  matrix-vector kernels match torch and are timed against bf16 and W8A8, with a tile
+  sweep (``fp8_gemv_checks.py``; ``--no-sweep`` skips the sweep), and a 2-layer
+  8B-shaped FP8 model's decode step through them is closer to its dequantized
+  reference than through W8A8.
 * gemm: time of one projection of Llama-3.1-8B's shapes at 1/32/128/1024 tokens, bf16
-  ``F.linear`` vs ``Fp8Linear`` (per-token quantization + ``_scaled_mm``), the choice
-  ``layers/fp8_linear.py`` explains.
-* speed: output tokens/s at batch 1/32/128 (32-token prompts, 128 new tokens) for an
-  8B-shaped random-weight model and SmolLM2, one process per engine setting.
+  ``F.linear`` vs ``Fp8Linear`` (weight-only kernels at 1 token, per-token
+  quantization + ``_scaled_mm`` above), the choice ``layers/fp8_linear.py`` explains.
+* speed: output tokens/s at batch 1/32/128 (``--batches``; 32-token prompts, 128 new
+  tokens) for an 8B-shaped random-weight model and SmolLM2 (``--speed-models``), one
+  process per engine setting (``--settings``).
 * quality (SmolLM2 in bf16): agreement and KL of next-token distributions
   (tools/fp8_quality.py) and free-running greedy agreement against the bf16 engine.
 
 SmolLM2 comes from ``--smollm2`` (a Hugging Face folder), else from the folder
 ``check_real_models.py`` assembles from the carried batches (stage them first, as that
-script says); without either, its rows are skipped and say so. Writes ``$OUT/fp8.json``.
+script says); without either, its rows are skipped and say so. Writes ``$OUT/fp8.json``
+after each part; exits 1 if a kernel check fails.
 """
 from __future__ import annotations
 
@@ -83,6 +91,7 @@ def time_gemm(device: str) -> dict:
     for name, (k, n) in GEMM_SHAPES.items():
         lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
         fp8 = Fp8Linear.from_linear(lin)
+        fp8.fuse_rows = True  # as the runner sets it: weight-only for the smallest batches
         for m in (1, 32, 128, 1024):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             bf16_us = _cuda_time(lambda: F.linear(x, lin.weight))
@@ -115,21 +124,22 @@ def _cuda_time(fn, reps: int = 50) -> float:
 
 
 # ---------------------------------------------------------------- speed (one process each)
-def speed_one(model: str, setting: str, device: str, dummy: bool) -> dict:
+def speed_one(model: str, setting: str, device: str, dummy: bool,
+              batches: tuple[int, ...]) -> dict:
     import random
 
     from backend.core import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(model_path=model, device=device, dtype="bfloat16",
                                  load_format="dummy" if dummy else "auto",
-                                 max_running_requests=max(BATCHES), host_cache_ratio=0,
+                                 max_running_requests=max(batches), host_cache_ratio=0,
                                  **SETTINGS[setting]))  # no host tier: seconds of pinning
     rng = random.Random(0)
     top = min(30000, engine.runner.vocab_size)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     engine.generate([[rng.randrange(100, top) for _ in range(PROMPT_LEN)]] * 2, params)
     out = {"kv_pool_tokens": engine.runner.kv_pool.size}
-    for batch in BATCHES:
+    for batch in batches:
         prompts = [[rng.randrange(100, top) for _ in range(PROMPT_LEN)] for _ in range(batch)]
         started = time.perf_counter()
         engine.generate(prompts, params)
@@ -138,21 +148,23 @@ def speed_one(model: str, setting: str, device: str, dummy: bool) -> dict:
     return out
 
 
-def speed(model: str, dummy: bool, device: str) -> dict:
+def speed(model: str, dummy: bool, device: str, settings: list[str],
+          batches: tuple[int, ...]) -> dict:
     result = {}
-    for setting in SETTINGS:
-        cmd = [sys.executable, __file__, "--speed-one", model, setting, "--device", device]
+    for setting in settings:
+        cmd = [sys.executable, __file__, "--speed-one", model, setting, "--device", device,
+               "--batches", ",".join(map(str, batches))]
         cmd += ["--dummy"] if dummy else []
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SPEED ")]
         result[setting] = (json.loads(lines[-1][6:]) if lines
                            else {"error": proc.stderr[-2000:]})
         print("speed", Path(model).name, setting, result[setting], flush=True)
-    base = result["bf16"]
+    base = result.get("bf16", {"error": "bf16 not run"})
     for setting, row in result.items():
         if "error" not in row and "error" not in base:
             row["vs_bf16"] = {f"batch{b}": round(row[f"batch{b}_tok_s"] / base[f"batch{b}_tok_s"], 3)
-                              for b in BATCHES}
+                              for b in batches}
     return result
 
 
@@ -191,37 +203,69 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--smollm2", default=None, help="a Hugging Face folder of SmolLM2-135M")
     ap.add_argument("--parts", default="kernels,gemm,speed,quality")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="speed: engine settings")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="speed: batch sizes")
+    ap.add_argument("--speed-models", default="llama-8b,smollm2")
+    ap.add_argument("--no-sweep", action="store_true", help="kernels: no FP8 GEMV tile sweep")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--speed-one", nargs=2, metavar=("MODEL", "SETTING"), help=argparse.SUPPRESS)
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(","))
     if args.speed_one:
-        print("SPEED " + json.dumps(speed_one(*args.speed_one, args.device, args.dummy)))
+        print("SPEED " + json.dumps(speed_one(*args.speed_one, args.device, args.dummy,
+                                              batches)))
         return 0
     import torch
 
-    parts = args.parts.split(",")
+    parts, models = args.parts.split(","), args.speed_models.split(",")
+    settings = args.settings.split(",")
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
               "torch": torch.__version__}
-    smollm2 = smollm2_folder(args.smollm2) if {"speed", "quality"} & set(parts) else None
+    out = Path(args.out) / "fp8.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(part: str, started: float) -> None:  # after each part: a later one may not end
+        report.setdefault("seconds", {})[part] = round(time.perf_counter() - started, 1)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"{part}: {report['seconds'][part]} s, wrote {out}", flush=True)
+
+    wants_smollm2 = "quality" in parts or ("speed" in parts and "smollm2" in models)
+    smollm2 = smollm2_folder(args.smollm2) if wants_smollm2 else None
+    ok = True
     if "kernels" in parts:
+        started = time.perf_counter()
+        from tools.gpu.fp8_gemv_checks import check_gemv, check_model
         from tools.gpu.fp8_kernel_checks import check_kernels
 
         report["kernels"] = check_kernels(args.device)
         print("kernels", report["kernels"], flush=True)
+        report["kernels"]["fp8_gemv"] = gemv = check_gemv(args.device, sweep=not args.no_sweep)
+        for failure in gemv["failures"]:
+            print("FAIL fp8 gemv", failure, flush=True)
+        report["kernels"]["fp8_model"] = model = check_model(shape_folder("llama-8b", smollm2),
+                                                             args.device)
+        ok = report["kernels"]["ok"] and gemv["ok"] and model["ok"]
+        save("kernels", started)
     if "gemm" in parts:
+        started = time.perf_counter()
         report["gemm"] = time_gemm(args.device)
+        save("gemm", started)
     if "speed" in parts:
-        report["speed"] = {"llama-8b": speed(shape_folder("llama-8b", smollm2), True, args.device)}
-        if smollm2:
-            report["speed"]["smollm2"] = speed(smollm2, False, args.device)
+        started = time.perf_counter()
+        report["speed"] = {}
+        if "llama-8b" in models:
+            report["speed"]["llama-8b"] = speed(shape_folder("llama-8b", smollm2), True,
+                                                args.device, settings, batches)
+        if smollm2 and "smollm2" in models:
+            report["speed"]["smollm2"] = speed(smollm2, False, args.device, settings, batches)
+        save("speed", started)
     if "quality" in parts:
+        started = time.perf_counter()
         report["quality"] = quality(smollm2, args.device) if smollm2 else "SmolLM2 not available"
-    out = Path(args.out) / "fp8.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
-    return 0 if report.get("kernels", {}).get("ok", True) else 1
+        save("quality", started)
+    print("check_fp8:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ math order, so CPU results match the reference implementations exactly.
 
 Small decode batches go further when ``fuse_rows`` is set (the model runner sets it on
 CUDA): the norm before a projection and the SiLU-and-mul before the down projection run
-as the prologue of a matrix-vector kernel (``kernels/gemv.py``), one launch per
-projection instead of two."""
+as the prologue of a matrix-vector kernel (``kernels/gemv.py``; for FP8 layers,
+``kernels/fp8_gemv.py`` through ``Fp8Linear``), one launch per projection instead of
+two."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .fp8_linear import Fp8Linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -32,7 +35,8 @@ def project(proj: nn.Module, x: torch.Tensor, fuse_rows: bool) -> torch.Tensor:
     weights meet its input. Batch-1 rows of a half-precision ``nn.Linear`` take the
     matrix-vector kernel (``fuse_rows``); any other layer runs its own forward, which is
     ``F.linear`` for ``nn.Linear`` and the float8 product for ``fp8_linear.Fp8Linear``
-    (whose float8 weight never passes ``rows_fusable``)."""
+    (whose float8 weight never passes ``rows_fusable``: it takes small batches to its
+    own weight-only kernels)."""
     if fuse_rows and rows_fusable(x, proj.weight, proj.bias):
         return linear(x, proj.weight, proj.bias, True)
     return proj(x)
@@ -73,6 +77,9 @@ class RMSNorm(nn.Module):
         x + residual)``, i.e. ``forward`` followed by the projection."""
         if self.fuse_rows and rows_fusable(x, self.weight, proj.weight, proj.bias):
             return self.linear_weight(proj.weight, proj.bias, x, residual)
+        if (self.fuse_rows and isinstance(proj, Fp8Linear) and proj.rows_fusable(x)
+                and self.weight.dtype == x.dtype):
+            return proj.rmsnorm_linear(x, residual, self.weight, self.eps)
         normed, residual = (self(x), x) if residual is None else self(x, residual)
         return project(proj, normed, False), residual
 
@@ -123,6 +130,9 @@ class GatedMLP(nn.Module):
             from ..kernels.gemv import silu_mul_linear_rows
 
             return silu_mul_linear_rows(gate_up, self.down_proj.weight)
+        if (self.fuse_rows and isinstance(self.down_proj, Fp8Linear)
+                and self.down_proj.rows_fusable(gate_up)):
+            return self.down_proj.silu_mul_linear(gate_up)
         if gate_up.is_cuda:
             from ..kernels.fused import silu_and_mul
 

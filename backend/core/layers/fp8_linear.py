@@ -13,13 +13,19 @@ accumulation applies both scales to its output,
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]  (+ bias[n])
 
 On the H200 this is ``torch._scaled_mm`` with row-wise scales (cuBLASLt/CUTLASS float8
-tensor-core GEMM). Why W8A8 and not weight-only FP8 with the dequantization inside a
-bf16 kernel: batched decode and prefill are bound by the matrix products, and the
-float8 tensor cores run twice the bf16 rate; a weight-only kernel halves the weight bytes
-too but computes in bf16, so it only matches W8A8 where the step is bound by weight
-bytes (batch 1). There the extra per-token quantization pass over the activations is
-one small fused launch (``kernels/fp8_quant.py``) that a CUDA graph replays for free.
-``tools/gpu/check_fp8.py`` measures both alternatives at batch 1/32/128.
+tensor-core GEMM). Why W8A8 for batches: batched decode and prefill
+are bound by the matrix products, and the float8 tensor cores run twice the bf16 rate;
+a weight-only kernel halves the weight bytes too but computes in bf16.
+``tools/gpu/check_fp8.py`` measures both products by batch size.
+
+Batches of at most ``WEIGHT_ONLY_ROWS`` rows (decode at batch 1 and 2) are bound by the
+weight bytes instead, and there the layer skips the activation quantization: with
+``fuse_rows`` set (the model runner sets it on CUDA, as for the bf16 matrix-vector
+kernels) they take weight-only products (``kernels/fp8_gemv.py``), the model-dtype rows
+times the float8 weight widened in registers, with the norm or SiLU-and-mul before the
+projection fused in (``rmsnorm_linear``, ``silu_mul_linear``; ``layers/basic.py`` calls
+them). Their numbers are those of ``F.linear(x, dequantized())`` up to the order of the
+float32 sums.
 
 On CPU (and wherever ``_scaled_mm`` does not apply: dimensions not multiples of 16)
 the same quantized operands are dequantized to float32 and multiplied there: the same
@@ -36,6 +42,12 @@ from ..fp8 import FP8_DTYPE, MIN_SCALE, FP8_MAX, quantize_rows, to_fp8
 
 # _scaled_mm needs both dimensions of the weight to be multiples of 16
 _MM_ALIGN = 16
+# Rows up to which the weight-only kernels run (they take up to fp8_gemv.MAX_ROWS = 8).
+# Their multiplies run on the CUDA cores: compiled for sm_90 they issue 3.5 to 6.5
+# instructions a float8 weight at one row and 3.5 more for each further row, so from
+# about 4 rows on the issue rate, not HBM, bounds them, where W8A8's tensor cores do
+# not; tools/gpu/fp8_gemv_checks.py times both at 1, 2, 4 and 8 rows.
+WEIGHT_ONLY_ROWS = 2
 
 
 class Fp8Linear(nn.Module):
@@ -51,6 +63,7 @@ class Fp8Linear(nn.Module):
         # [1, out]: the row-wise layout _scaled_mm takes for the second operand
         self.register_buffer("weight_scale", weight_scale.view(1, -1))
         self.register_buffer("bias", bias)
+        self.fuse_rows = False  # small batches take the weight-only kernels (CUDA)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
@@ -61,6 +74,11 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.rows_fusable(rows):
+            from ..kernels.fp8_gemv import fp8_linear_rows
+
+            y = fp8_linear_rows(rows, self.weight, self.weight_scale, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         if x.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
             y = scaled_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
         else:
@@ -68,6 +86,36 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def rows_fusable(self, x: torch.Tensor) -> bool:
+        """Whether the weight-only kernels take ``x``: ``fuse_rows`` set, 1 to
+        WEIGHT_ONLY_ROWS rows with unit stride on K, a float dtype the bias (if any)
+        shares."""
+        return (self.fuse_rows and x.dim() == 2 and 0 < x.shape[0] <= WEIGHT_ONLY_ROWS
+                and x.stride(-1) == 1
+                and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                and (self.bias is None or self.bias.dtype == x.dtype))
+
+    def rmsnorm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm_weight: torch.Tensor, eps: float):
+        """``RMSNorm.linear`` into this layer for ``rows_fusable`` rows, one launch:
+        ``(self(norm(x)), x)``, or with ``residual``, ``(self(norm(x + residual)),
+        x + residual)``."""
+        from ..kernels.fp8_gemv import fp8_rmsnorm_linear_rows
+
+        return fp8_rmsnorm_linear_rows(x, residual, norm_weight, eps, self.weight,
+                                       self.weight_scale, self.bias)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(F.silu(gate) * up)`` for ``rows_fusable`` rows gate_up [rows, 2K]."""
+        from ..kernels.fp8_gemv import fp8_silu_mul_linear_rows
+
+        return fp8_silu_mul_linear_rows(gate_up, self.weight, self.weight_scale, self.bias)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the float8 values and scales stand for, [out, in] in ``dtype``:
+        what the weight-only products multiply by (the reference of their checks)."""
+        return (self.weight.float() * self.weight_scale.view(-1, 1)).to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"
@@ -113,4 +161,25 @@ def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Fp8Linear.from_linear(parent.get_submodule(child)))
+    return len(names)
+
+
+def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every ``Fp8Linear`` of ``model`` by an ``nn.Linear`` holding its
+    ``dequantized(dtype)`` weight (``dtype``: the model's): the weight-only products
+    computed by torch, exact in a float32 model, the reference the FP8 matrix-vector
+    kernels are checked against and whose quality ``tools/fp8_quality.py`` measures.
+    Returns how many were replaced."""
+    names = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        fp8 = parent.get_submodule(child)
+        linear = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None,
+                           device=fp8.weight.device, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(fp8.dequantized(dtype))
+            if fp8.bias is not None:
+                linear.bias.copy_(fp8.bias)
+        setattr(parent, child, linear)
     return len(names)

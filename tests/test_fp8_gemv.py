@@ -1,0 +1,284 @@
+"""The weight-only FP8 matrix-vector kernels (backend/core/kernels/fp8_gemv.py) on CPU
+via the Triton interpreter: each against the torch modules it replaces followed by
+``F.linear`` with the dequantized weight, for per-channel and block scales, every fused
+prologue, 1..8 rows and dimensions that fit no tile; then an FP8 model whose small
+batches take them, against its weight-only reference in torch. Cases run in a worker
+subprocess (see interpreter_cases.py); half precision is fp16 here, bf16 is checked on
+the GPU by tools/gpu/fp8_gemv_checks.py. Last, the default tiles compile for the H200
+(sm_90) without spilling, which the interpreter cannot tell."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from backend.core.layers.fp8_linear import WEIGHT_ONLY_ROWS
+from interpreter_cases import REPO, results_of, run_cases
+
+FP8 = torch.float8_e4m3fn
+
+
+def _bound(ref: torch.Tensor, dtype: torch.dtype, magnitude: torch.Tensor) -> torch.Tensor:
+    """Float32 sums in another order (the scale applied to the input or to the sum
+    instead of to each weight), then one rounding to ``dtype``: a few ulps of the output,
+    a sliver of the row's scale, and of the sum of the products' magnitudes
+    (``magnitude``: |x| @ |w|^T; reordered float32 sums of K terms drift by about
+    sqrt(K) float32 ulps of it)."""
+    ulp = {torch.float32: 2.0 ** -22, torch.float16: 2.0 ** -10}[dtype]
+    return 2 * ulp * ref.abs() + 4 * ulp * ref.abs().max() + 2.0 ** -18 * magnitude + 1e-6
+
+
+def _check(got, ref, dtype, act, w):
+    """``got`` is ``ref`` = F.linear(act, w) in ``dtype`` within ``_bound``."""
+    assert got.dtype == dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
+    diff = (got.float() - ref.float()).abs()
+    magnitude = act.float().abs() @ w.abs().T
+    assert (diff <= _bound(ref.float(), dtype, magnitude)).all(), diff.max().item()
+
+
+def _weights(n, k, block, seed, bias=False):
+    """(float8 weight, scales, dequantized float32 weight, bias): per-channel scales
+    (block 0) or one per block x block tile, each its tile's absmax / 448."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    w[:, : k // 3] *= 4  # tiles of different ranges: each block scale matters
+    if block:
+        nb, kb = -(-n // block), -(-k // block)
+        padded = torch.zeros(nb * block, kb * block)
+        padded[:n, :k] = w.abs()
+        amax = padded.view(nb, block, kb, block).amax((1, 3))
+        scale = (amax / 448).clamp(min=1e-12)
+        full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    else:
+        scale = (w.abs().amax(1) / 448).clamp(min=1e-12)
+        full = scale[:, None]
+    q = (w / full).clamp(-448, 448).to(FP8)
+    b = torch.randn(n, generator=gen) if bias else None
+    return q, scale, q.float() * full, b
+
+
+def _case_linear(n, k, rows, block, dtype=torch.float32, bias=False, config=None):
+    from backend.core.kernels.fp8_gemv import fp8_linear_rows
+    q, scale, w, b = _weights(n, k, block, 3 * n + k, bias)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    ref = torch.nn.functional.linear(x.float(), w, b).to(dtype)
+    got = fp8_linear_rows(x, q, scale, None if b is None else b.to(dtype), block=block,
+                          config=config)
+    _check(got, ref, dtype, x, w)
+
+
+def _case_norm_linear(n, k, rows, block, residual, dtype=torch.float32, config=None):
+    from backend.core.kernels.fp8_gemv import fp8_rmsnorm_linear_rows
+    from backend.core.layers.basic import RMSNorm
+    q, scale, w, _ = _weights(n, k, block, n * k)
+    gen = torch.Generator().manual_seed(n + k)
+    norm = RMSNorm(k, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(k, generator=gen))
+    norm = norm.to(dtype)
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+    res = torch.randn(rows, k, generator=gen).to(dtype) if residual else None
+    normed, ref_res = (norm(x), x) if res is None else norm(x, res)
+    ref = torch.nn.functional.linear(normed.float(), w).to(dtype)
+    got, got_res = fp8_rmsnorm_linear_rows(x, res, norm.weight, norm.eps, q, scale,
+                                           block=block, config=config)
+    _check(got, ref, dtype, normed, w)
+    assert torch.equal(got_res, ref_res)  # each row's new residual, rounded once
+    assert (got_res is x) == (res is None)
+
+
+def _case_silu_linear(n, k, rows, block, dtype=torch.float32, config=None):
+    from backend.core.kernels.fp8_gemv import fp8_silu_mul_linear_rows
+    from backend.core.layers.basic import GatedMLP
+    q, scale, w, _ = _weights(n, k, block, n + 7 * k)
+    mlp = GatedMLP(n, k).to(dtype)
+    with torch.no_grad():
+        mlp.down_proj.weight.copy_(w.to(dtype))
+    gate_up = (torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
+    gate, up = gate_up.split(k, dim=-1)
+    act = torch.nn.functional.silu(gate) * up  # the module's rounding points
+    ref = torch.nn.functional.linear(act.float(), w).to(dtype)
+    _check(fp8_silu_mul_linear_rows(gate_up, q, scale, block=block, config=config), ref, dtype,
+           act, w)
+
+
+def _case_refuses_nine_rows():
+    from backend.core.kernels.fp8_gemv import fp8_linear_rows
+    q, scale, _, _ = _weights(8, 16, 0, 0)
+    with pytest.raises(AssertionError, match="rows"):
+        fp8_linear_rows(torch.randn(9, 16), q, scale)
+
+
+def _case_model(arch, prompt_len):
+    """An FP8 model's logits with its small batches on the kernels (``fuse_rows``, as the
+    runner sets it on CUDA) against the same model with every Fp8Linear swapped for its
+    dequantized nn.Linear. Up to WEIGHT_ONLY_ROWS: the same numbers up to float32 sum
+    order; more rows: the W8A8 product, bit for bit as with fuse_rows off."""
+    import tempfile
+    from pathlib import Path
+
+    import model_factory as mf
+    from engine_helpers import ARCH_OVERRIDES, make_engine
+    from backend.core.layers.fp8_linear import dequantize_linears
+    quality = mf._tools_module("fp8_quality")
+    folder = mf.build_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch,
+                                 **ARCH_OVERRIDES[arch])
+    prompt = [5 + (7 * i) % 150 for i in range(prompt_len)]
+    fused, w8a8, ref = (make_engine(folder, quantization="fp8").runner for _ in range(3))
+    for module in fused.model.modules():
+        if hasattr(module, "fuse_rows"):
+            module.fuse_rows = True
+    assert dequantize_linears(ref.model, torch.float32) == 4 * len(ref.model.layers)
+    got, plain, want = (quality.text_logits(r, [prompt])[0] for r in (fused, w8a8, ref))
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    w8a8_err = ((plain - want).abs().max() / want.abs().max()).item()
+    if prompt_len <= WEIGHT_ONLY_ROWS:
+        assert err < 1e-5, err
+        assert w8a8_err > 100 * err, (w8a8_err, err)  # the activations' own rounding
+    else:
+        assert torch.equal(got, plain)
+
+
+CASES = {}
+_SHAPES = (  # (n, k, rows): one tile (k <= 4096) or 2048-wide chunks with a partial one
+    (37, 48, 1), (130, 600, 3), (9, 5000, 2), (200, 300, 5), (70, 5000, 8))
+for _block in (0, 128):
+    _tag = f"block{_block}" if _block else "channel"
+    for _n, _k, _rows in _SHAPES:
+        _shape = dict(n=_n, k=_k, rows=_rows, block=_block)
+        _id = f"{_tag}-n{_n}-k{_k}-r{_rows}"
+        CASES[f"linear-{_id}"] = (_case_linear, _shape)
+        CASES[f"norm-linear-{_id}"] = (_case_norm_linear, dict(_shape, residual=False))
+        CASES[f"add-norm-linear-{_id}"] = (_case_norm_linear, dict(_shape, residual=True))
+        CASES[f"silu-linear-{_id}"] = (_case_silu_linear, _shape)
+    CASES[f"linear-bias-{_tag}"] = (_case_linear, dict(n=70, k=96, rows=4, block=_block,
+                                                       bias=True))
+    CASES[f"linear-fp16-{_tag}"] = (_case_linear, dict(n=130, k=600, rows=2, block=_block,
+                                                       dtype=torch.float16))
+    CASES[f"add-norm-linear-fp16-{_tag}"] = (_case_norm_linear, dict(
+        n=130, k=600, rows=1, block=_block, residual=True, dtype=torch.float16))
+    CASES[f"silu-linear-fp16-{_tag}"] = (_case_silu_linear, dict(
+        n=9, k=5000, rows=3, block=_block, dtype=torch.float16))
+# small scale blocks: several block rows, each spanning programs of 4 rows
+CASES["linear-block16-narrow-tiles"] = (_case_linear, dict(n=50, k=72, rows=2, block=16,
+                                                           config=(4, 32, 4, 1)))
+# one row in pipelined chunks (the GPU's alternative tiles), every prologue
+for _name, _case, _extra in (("linear", _case_linear, {}),
+                             ("add-norm-linear", _case_norm_linear, dict(residual=True)),
+                             ("silu-linear", _case_silu_linear, {})):
+    for _block in (0, 32):
+        CASES[f"{_name}-pipelined-chunks-block{_block}"] = (_case, dict(
+            n=40, k=600, rows=1, block=_block, config=(8, 128, 4, 3), **_extra))
+CASES["refuses-nine-rows"] = (_case_refuses_nine_rows, {})
+for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
+    CASES[f"model-{_arch}-weight-only-rows"] = (
+        _case_model, dict(arch=_arch, prompt_len=WEIGHT_ONLY_ROWS))
+    CASES[f"model-{_arch}-one-row-more-w8a8"] = (
+        _case_model, dict(arch=_arch, prompt_len=WEIGHT_ONLY_ROWS + 1))
+
+
+def _layer(bias: bool = False):
+    from torch import nn
+
+    from backend.core.layers.fp8_linear import Fp8Linear
+    torch.manual_seed(0)
+    return Fp8Linear.from_linear(nn.Linear(32, 24, bias=bias))
+
+
+def test_the_dequantized_weight_is_each_float8_value_times_its_row_scale():
+    layer = _layer()
+    want = layer.weight.float() * layer.weight_scale.view(24, 1)
+    assert torch.equal(layer.dequantized(), want)
+    assert torch.equal(layer.dequantized(torch.float16), want.half())
+
+
+def test_only_batches_of_up_to_weight_only_rows_take_the_kernels_with_fuse_rows():
+    layer = _layer()
+    x = torch.randn(WEIGHT_ONLY_ROWS, 32)
+    assert not layer.rows_fusable(x)  # fuse_rows is off until the runner sets it (CUDA)
+    layer.fuse_rows = True
+    assert layer.rows_fusable(x) and layer.rows_fusable(x[:1])
+    assert layer.rows_fusable(x.half()) and layer.rows_fusable(x.bfloat16())
+    assert not layer.rows_fusable(torch.randn(WEIGHT_ONLY_ROWS + 1, 32))  # W8A8 above
+    assert not layer.rows_fusable(x[:0])
+    assert not layer.rows_fusable(torch.randn(32, 8).t())  # K not contiguous
+    assert not layer.rows_fusable(x.view(WEIGHT_ONLY_ROWS, 1, 32))
+
+
+def test_a_bias_must_share_the_rows_dtype():
+    layer = _layer(bias=True)
+    layer.fuse_rows = True
+    assert layer.rows_fusable(torch.randn(2, 32))  # float32 bias, float32 rows
+    assert not layer.rows_fusable(torch.randn(2, 32).half())
+
+
+def _worker() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+    from backend.core.kernels import fp8_gemv
+    assert isinstance(fp8_gemv._fp8_gemv_kernel, InterpretedFunction), "interpreter not active"
+    run_cases(CASES)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return results_of(__file__)
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_fp8_gemv_case(results, case_id):
+    assert results.get(case_id) == "ok", results.get(case_id, "case did not run")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    _worker()
+
+
+def _compile_for_h200(prologue, rows, config, block, k):
+    """The kernel compiled ahead of time for sm_90 (the H200) by the installed Triton and
+    its ptxas, without a GPU; returns ptxas' resource line for it."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from backend.core.kernels import fp8_gemv
+    block_n, block_k, warps, stages = config
+    pointers = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "W": "*fp8e4nv",
+                "Scale": "*fp32", "Bias": "*bf16", "Out": "*bf16", "ResOut": "*bf16"}
+    ints = dict.fromkeys(["N", "K", "stride_x", "stride_r", "stride_wn", "stride_sn",
+                          "scale_rows"], "i32")
+    consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
+                  ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                  WHOLE_ROW=block_k >= k, STAGES=stages)
+    signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
+    names = list(signature)
+    aligned = list(pointers) + ["N", "K", "stride_x", "stride_r", "stride_wn"]
+    source = ASTSource(fp8_gemv._fp8_gemv_kernel, signature,
+                       {(names.index(c),): v for c, v in consts.items()},
+                       {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    return next(line for line in usage.splitlines() if "REG:" in line)
+
+
+@pytest.mark.parametrize("prologue, rows, block, k", [
+    (2, 1, 0, 4096), (0, 1, 128, 4096), (3, 1, 0, 14336), (2, 2, 128, 4096), (3, 8, 0, 14336)])
+def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, rows, block, k):
+    """The interpreter cannot tell whether the GPU compiler takes a kernel: the 8B
+    shapes' default tiles (add-norm before qkv/gate_up, plain, SiLU before down) compile
+    for sm_90 and keep everything in registers (no local memory)."""
+    from backend.core.kernels.fp8_gemv import _config
+    usage = _compile_for_h200(prologue, rows, _config(4096, k, rows), block, k)
+    assert "LOCAL:0 " in usage, usage
