@@ -20,12 +20,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from backend.core.eviction import make_policy  # noqa: E402
+from backend.core.eviction import EvictionPolicy, make_policy  # noqa: E402
 from backend.core.host_tier import HostBlockAllocator, HostSave  # noqa: E402
 from backend.core.kv_allocator import KVSlotAllocator  # noqa: E402
 from backend.core.radix_cache import RadixCache  # noqa: E402
@@ -50,14 +51,21 @@ class ReplayResult:
         return self.device_hits + self.host_hits
 
 
-def replay(requests: list[TraceRequest], capacity: int, policy: str, host_tokens: int = 0,
-           check_every: int = 0) -> ReplayResult:
-    """Serve ``requests`` in order through a cache of ``capacity`` device slots."""
+def replay(requests: list[TraceRequest], capacity: int, policy: str | EvictionPolicy,
+           host_tokens: int = 0, check_every: int = 0,
+           before_each: Callable[[int], None] | None = None) -> ReplayResult:
+    """Serve ``requests`` in order through a cache of ``capacity`` device slots, with the
+    policy called ``policy`` (or that policy object); ``before_each(i)`` is called before
+    request i is served."""
     slots = KVSlotAllocator(capacity)
     host = HostBlockAllocator(host_tokens) if host_tokens else None
-    cache = RadixCache(slots, make_policy(policy, capacity + host_tokens), host)
+    if isinstance(policy, str):
+        policy = make_policy(policy, capacity + host_tokens)
+    cache = RadixCache(slots, policy, host)
     out = ReplayResult()
     for i, r in enumerate(requests):
+        if before_each is not None:
+            before_each(i)
         path = r.path
         match = cache.match_prefix(r.prompt[:r.hit_limit])
         cache.lock(match.deepest)
