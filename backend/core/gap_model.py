@@ -22,6 +22,8 @@ from .reuse_model import GapShape
 
 # the typical gap and the evidence move this share towards each observation (of weight 1)
 SMOOTHING = 1 / 64
+# gaps seen before the evidence can switch the model to the absolute reading
+SETTLES = 32
 # a prefix's own mean gap is weighed against this many typical gaps
 OWN_PRIOR = 2.0
 
@@ -42,7 +44,8 @@ class GapModel:
 
     @property
     def reads_absolute(self) -> bool:
-        return self.evidence > 0
+        """Relative until the absolute reading has proved better on enough gaps."""
+        return self.seen >= SETTLES and self.evidence > 0
 
     def observe(self, observed: float, own_gap: float, own_count: int,
                 weight: float = 1.0) -> None:

@@ -21,8 +21,8 @@ NUM_BINS = 32
 HISTOGRAM_HORIZON = 2048
 # tables are rebuilt after this many new observations
 REFRESH_EVERY = 8
-# floor of a count that returns take back (the prior is 1)
-MIN_COUNT = 0.25
+# observations' worth of the class below that a class of reuse odds starts from
+ODDS_PRIOR = 2.0
 # the prior: this many observations spread as an exponential (memoryless reuse)
 PRIOR_WEIGHT = 8.0
 
@@ -98,20 +98,26 @@ class GapShape:
 
 
 class ReuseOdds:
-    """P(a prefix used k times is used again), learned per k up to ``max_class``."""
+    """P(a prefix used k times is used again), learned per k up to ``max_class``.
+
+    A class with little data leans on the one below it (``ODDS_PRIOR`` observations at
+    its odds; class 1 on even odds): a prefix used more often than any seen so far is
+    taken to come back as often as the most used ones did.
+    """
 
     def __init__(self, max_class: int = 4, horizon: int = 4096) -> None:
         self.max_class = max_class
         self.horizon = horizon
-        self._reused = [1.0] * (max_class + 1)
-        self._dropped = [1.0] * (max_class + 1)
+        self._reused = [0.0] * (max_class + 1)
+        self._dropped = [0.0] * (max_class + 1)
+        self._odds: list[float] = []
+        self._refresh()
 
     def _k(self, uses: int) -> int:
         return min(max(uses, 1), self.max_class)
 
     def probability(self, uses: int) -> float:
-        k = self._k(uses)
-        return self._reused[k] / (self._reused[k] + self._dropped[k])
+        return self._odds[self._k(uses)]
 
     def reused(self, uses: int, weight: float = 1.0) -> None:
         self._reused[self._k(uses)] += weight
@@ -124,9 +130,19 @@ class ReuseOdds:
     def undropped(self, uses: int, weight: float = 1.0) -> None:
         """A prefix counted as dropped came back after all."""
         k = self._k(uses)
-        self._dropped[k] = max(self._dropped[k] - weight, MIN_COUNT)
+        self._dropped[k] = max(self._dropped[k] - weight, 0.0)
+        self._refresh()
 
     def _fade(self) -> None:
         if sum(self._reused) + sum(self._dropped) > self.horizon:
             self._reused = [c / 2 for c in self._reused]
             self._dropped = [c / 2 for c in self._dropped]
+        self._refresh()
+
+    def _refresh(self) -> None:
+        odds, below = [0.5] * (self.max_class + 1), 0.5
+        for k in range(1, self.max_class + 1):
+            below = (self._reused[k] + ODDS_PRIOR * below) / (
+                self._reused[k] + self._dropped[k] + ODDS_PRIOR)
+            odds[k] = below
+        self._odds = odds
