@@ -137,7 +137,7 @@ class AdaptivePolicy(EvictionPolicy):
         # gap models per group of use counts (_group): prefixes used about as often
         # share one; a prefix not yet reused is measured against the first gaps of all
         self.gaps = [GapModel() for _ in range(NUM_GROUPS)]
-        self.repeats = GapModel()  # all later gaps: read by a group that has seen few
+        self.all_gaps = GapModel()  # read by a group that has seen few gaps yet
         self.mean_tokens = float(capacity_tokens) / 64  # typical tokens of a node observed
 
     # ---------------------------------------------------------------- ranking
@@ -191,15 +191,14 @@ class AdaptivePolicy(EvictionPolicy):
         by default, a ghost's when the node brings a dropped prefix back)."""
         weight = self._weight(len(node.key) if tokens is None else tokens)
         self.gaps[_group(uses)].observe(observed, gap, _own_count(uses), weight)
-        if uses >= 2:
-            self.repeats.observe(observed, gap, _own_count(uses), weight)
+        self.all_gaps.observe(observed, gap, _own_count(uses), weight)
         node.gap = observed if uses < 2 else gap + (observed - gap) / _own_count(uses)
         self.odds.reused(uses, weight)
         node.uses = uses + 1
 
     def _gap_model(self, uses: int) -> GapModel:
         group = self.gaps[_group(uses)]
-        return group if uses < 2 or group.seen >= GROUP_SETTLES else self.repeats
+        return group if group.seen >= GROUP_SETTLES else self.all_gaps
 
     def _weight(self, tokens: int) -> float:
         """What an observation of ``tokens`` counts for (tokens are what eviction trades),
