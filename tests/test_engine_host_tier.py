@@ -10,9 +10,10 @@ from backend.core import SamplingParams
 from engine_helpers import make_engine, random_prompts, tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-# LRU: which prefix leaves the device is then plain (the least recently used)
+# LRU: which prefix leaves the device is then plain (the least recently used); prompts
+# of a few tokens: every host match is loaded, however short
 SMALL = dict(max_total_tokens=64, max_prefill_tokens=64, host_cache_tokens=256,
-             radix_eviction_policy="lru")
+             radix_eviction_policy="lru", host_load_min_tokens=0)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,17 @@ def test_an_evicted_prefix_is_loaded_back_from_the_host_instead_of_recomputed(mo
     token_bytes = stats["kv_bytes_to_host"] // stats["host_saved_tokens"]
     assert stats["kv_bytes_to_device"] == stats["host_loaded_tokens"] * token_bytes
     assert stats["host_load_seconds"] > 0
+    engine.check_integrity()
+
+
+def test_prefixes_shorter_than_the_load_threshold_are_neither_saved_nor_loaded(model):
+    engine = make_engine(model, **{**SMALL, "host_load_min_tokens": 40})
+    a, b, c = random_prompts(3, engine.runner.vocab_size, seed=5, min_len=25, max_len=25)
+    for p in (a, b, c):
+        _one(engine, p)
+    assert _one(engine, a).num_cached_tokens < len(a) - 1  # recomputed
+    stats = engine.stats()
+    assert stats["host_saved_tokens"] == stats["host_loads"] == stats["kv_bytes_to_host"] == 0
     engine.check_integrity()
 
 

@@ -155,7 +155,7 @@ def test_radix_cache_hits_over_a_float8_pool_give_the_same_tokens(model):
 
 def test_the_host_tier_moves_float8_kv_as_one_byte_a_value_and_reloads_it(model):
     small = dict(max_total_tokens=64, max_prefill_tokens=64, host_cache_tokens=256,
-                 radix_eviction_policy="lru", **FP8_KV)
+                 radix_eviction_policy="lru", host_load_min_tokens=0, **FP8_KV)
     vocab = make_engine(model, **small).runner.vocab_size
     heads = random_prompts(4, vocab, seed=9, min_len=20, max_len=20)
     tails = random_prompts(8, vocab, seed=10, min_len=3, max_len=6)

@@ -152,3 +152,56 @@ def test_without_a_host_tier_eviction_only_drops():
     put(cache, [1, 2, 3, 4])
     assert cache.host is None and cache.evict(4) == 4
     assert cache.take_copies() == [] and cache.root.children == {}
+
+
+# ---------------------------------------------------------------------- short host matches
+def make_min(device: int, host: int, min_load: int) -> RadixCache:
+    return RadixCache(KVSlotAllocator(device), LRUPolicy(), HostBlockAllocator(host),
+                      host_load_min_tokens=min_load)
+
+
+def test_a_host_match_shorter_than_the_load_threshold_is_a_miss_and_is_recomputed():
+    cache = make_min(device=12, host=16, min_load=4)
+    put(cache, [1, 2, 3])
+    put(cache, [1, 2, 3, 4, 5, 6, 7, 8])  # a path of 8: leaves below [1, 2, 3]
+    put(cache, [9, 10, 11, 12])
+    cache.evict(5)  # LRU: the leaf [4..8] goes to the host (it ends 8 deep: loadable)
+    assert cache.take_copies()[0].host_blocks
+    long = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
+    assert long.kv_indices and long.host_len == 5  # 5 >= 4: loaded
+    short = cache.match_prefix([1, 2, 3, 4, 5, 99])
+    assert len(short.kv_indices) == 3 and short.host_len == 0 and short.host_node is None
+    cache.check_integrity()
+
+
+def test_a_leaf_that_no_load_could_bring_back_is_dropped_not_saved():
+    cache = make_min(device=6, host=16, min_load=4)
+    put(cache, [1, 2, 3])  # 3 tokens from the root: never a load of 4
+    put(cache, [5, 6, 7])
+    cache.evict(3)
+    assert cache.take_copies() == [] and cache.host_size == 0
+    assert cache.prefix_len([1, 2, 3]) == 0
+    cache.check_integrity()
+
+
+def test_prefix_len_stops_at_the_limit_and_changes_nothing():
+    cache = make(device=16, host=0)
+    put(cache, [1, 2, 3, 4, 5, 6])
+    before = cache.root.children[1].last_access
+    assert cache.prefix_len([1, 2, 3, 4, 9]) == 4
+    assert cache.prefix_len([1, 2, 3, 4, 5, 6, 7], limit=5) == 5
+    assert cache.prefix_len([1, 2, 3, 4, 5, 6], limit=0) == 0
+    (node,) = cache.root.children.values()
+    assert node.key == [1, 2, 3, 4, 5, 6] and node.last_access == before  # no split, no touch
+
+
+def test_prefix_len_counts_a_host_part_only_as_far_as_a_match_would():
+    cache = make_min(device=12, host=16, min_load=4)
+    put(cache, [1, 2, 3])
+    put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    put(cache, [9, 10, 11, 12])
+    cache.evict(5)  # [4..8] to the host
+    assert cache.prefix_len([1, 2, 3, 4, 5, 6, 7, 8]) == 8  # 5 on the host: loaded
+    assert cache.prefix_len([1, 2, 3, 4, 5, 6, 7, 8], limit=6) == 3  # 3 on the host: not
+    assert cache.prefix_len([1, 2, 3, 4, 5, 99]) == 3
+    assert cache.prefix_len([9, 10, 99]) == 2

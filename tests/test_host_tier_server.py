@@ -41,6 +41,8 @@ def test_a_cycle_of_tenants_larger_than_the_kv_pool_keeps_hitting_and_nothing_le
     text = re.sub(r'(key: "max_total_tokens" value: \{ string_value: )"\d+"', rf'\1"{POOL}"',
                   config.read_text())
     assert f'string_value: "{POOL}"' in text
+    # prompts of ~75 tokens: load every host match, however short
+    text += 'parameters: { key: "host_load_min_tokens" value: { string_value: "0" } }\n'
     config.write_text(text)
     server = start_server(tmp_path / "server.log", (f"--model-repository={repo}",))
     try:

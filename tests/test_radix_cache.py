@@ -4,9 +4,11 @@ its own small pool so slot numbers are exact. The adaptive policy and the host t
 their own specs (test_eviction_policy.py, test_host_tier.py)."""
 from __future__ import annotations
 
+import random
+
 from backend.core.eviction import LRUPolicy
 from backend.core.kv_allocator import KVSlotAllocator
-from backend.core.radix_cache import NoCache, RadixCache
+from backend.core.radix_cache import NoCache, RadixCache, common_prefix_len
 
 
 def _pool(size: int) -> KVSlotAllocator:
@@ -308,3 +310,15 @@ def test_lru_churn_five_prefixes_cycling_through_a_cache_of_four_never_hit():
 
 def test_the_same_traffic_grouped_by_prefix_hits_half_the_time():
     assert _serve("AABBCCDDEE") == 5
+
+
+def test_common_prefix_len_finds_the_first_difference_anywhere_in_a_long_edge():
+    rng = random.Random(3)
+    key = [rng.randrange(50) for _ in range(700)]
+    for cut in (0, 1, 15, 16, 17, 350, 699):
+        other = key[:cut] + [999] + key[cut + 1:]
+        assert common_prefix_len(key, other) == cut
+        assert common_prefix_len(key, [7, 7] + other, 2) == cut
+    assert common_prefix_len(key, key + [1, 2]) == 700  # the edge ends first
+    assert common_prefix_len(key, key[:300]) == 300  # the tokens end first
+    assert common_prefix_len(key, tuple(key[:40]) + (999,)) == 40  # no slices across types

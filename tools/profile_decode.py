@@ -56,7 +56,7 @@ def busy_us(events) -> float:
 
 def fill(eng: Engine, batch: int, n_in: int) -> list[str]:
     rids = [eng.add_request([100 + (i * 7 + j) % 1000 for j in range(n_in)],
-                            SamplingParams(max_new_tokens=100_000, temperature=0.0, ignore_eos=True))
+                            SamplingParams(max_new_tokens=4096, temperature=0.0, ignore_eos=True))
             for i in range(batch)]
     for _ in range(30):
         eng.step()

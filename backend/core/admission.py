@@ -30,8 +30,10 @@ def admission_order(waiting: list[Req], cache: RadixCache, config: EngineConfig)
     if config.schedule_policy == "fcfs" or not cache.enabled or len(waiting) > LPM_MAX_QUEUE:
         return sorted(waiting, key=lambda r: r.arrival)
     for req in waiting:  # a host-tier hit saves the compute as a device hit does
-        match = cache.match_prefix(req.fill_ids[:req.max_match_len()])
-        req.cached_match_len = len(match.kv_indices) + match.host_len
+        # the length alone: no split, no node lists, no copy of the prompt (every waiting
+        # request, every step)
+        ids = req.origin_input_ids if not req.output_ids else req.fill_ids
+        req.cached_match_len = cache.prefix_len(ids, req.max_match_len())
     bound = config.starvation_bound
     starved = [r for r in waiting if r.times_passed_over >= bound]
     rest = [r for r in waiting if r.times_passed_over < bound]

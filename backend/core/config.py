@@ -73,6 +73,10 @@ class EngineConfig:
     # (0: no host tier); at most a quarter of the host memory free at start-up
     host_cache_ratio: float = 2.0
     host_cache_tokens: int | None = None
+    # a host-tier match shorter than this is recomputed, not loaded: a load has a fixed
+    # cost (a copy and its event, a step's wait) that a short recompute beats; leaves
+    # that could never make a load this long are not saved to the host
+    host_load_min_tokens: int = 256
 
     # GPU speed features (no-ops on CPU)
     attention_backend: str = "auto"  # "torch", "triton" or "auto"
@@ -132,6 +136,8 @@ class EngineConfig:
                              f"got {self.radix_eviction_policy!r}")
         if self.host_cache_ratio < 0:
             raise ValueError("host_cache_ratio must be >= 0 (0: no host tier)")
+        if self.host_load_min_tokens < 0:
+            raise ValueError("host_load_min_tokens must be >= 0")
         if self.host_cache_tokens is not None and self.host_cache_tokens < 0:
             raise ValueError("host_cache_tokens must be >= 0 (0: no host tier)")
         if self.starvation_bound < 0:

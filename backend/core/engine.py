@@ -91,7 +91,7 @@ class Engine:
         host_blocks = HostBlockAllocator(host.size) if host is not None else None
         policy = make_policy(self.config.radix_eviction_policy,
                              self.slots.size + (host.size if host is not None else 0))
-        return RadixCache(self.slots, policy, host_blocks)
+        return RadixCache(self.slots, policy, host_blocks, self.config.host_load_min_tokens)
 
     # ------------------------------------------------------------------ submission
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None,

@@ -5,17 +5,20 @@ consecutive blocks is one contiguous stretch of memory and moves with one copy::
 
     HostKVPool.buffer[block, layer, 0 (K) | 1 (V), kv_head, head_dim]
 
-``KVMover.run`` executes a plan's ``HostSave``/``HostLoad`` records in order. On CUDA:
+``KVMover.run`` executes a plan's ``HostSave``/``HostLoad`` records: all saves as one
+batch, then all loads as one (the host cost of a copy is per batch, not per record:
+slot numbers through a pinned ring, one gather or scatter of every layer, one copy per
+run of consecutive host blocks). On CUDA:
 
-* a save gathers the slots' KV into a staging tensor on the compute stream (in stream
+* the saves gather the slots' KV into a staging tensor on the compute stream (in stream
   order after the forward passes that wrote it, and before any later one that reuses the
-  slots), then copies it to pinned host memory on the copy stream;
-* a load waits (on the device) for the compute stream's work so far, copies host -> a
-  staging tensor -> the slots on the copy stream, and records an event; the host polls
+  slots), then copy it to pinned host memory on the copy stream;
+* the loads wait (on the device) for the compute stream's work so far, copy host -> a
+  staging tensor -> the slots on the copy stream, and record an event; the host polls
   the event (``finished_loads``) and never waits on a copy while there is work to step.
 
-One copy stream runs every save and load in plan order, so a load of blocks a save has
-just written, or a save into blocks a load is still reading, is ordered by the stream.
+One copy stream runs every save and load in order, so a load of blocks a save has just
+written, or a save into blocks a load is still reading, is ordered by the stream.
 On CPU the same records are plain tensor copies, done at once.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .config import EngineConfig
 from .fp8 import FP8_DTYPE
 from .host_tier import HostCopy, HostLoad, HostSave
 from .memory_pool import KVPool
+from .transfer import HostToDevice
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ class HostKVPool:
 
 
 class _Load(NamedTuple):
-    ticket: int
+    tickets: list[int]  # the loads of one plan, copied together
     started: torch.cuda.Event
     done: torch.cuda.Event
 
@@ -89,6 +93,9 @@ class KVMover:
         self.host_pool = host_pool
         self.device = device
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # slot numbers go to the device through a pinned ring (no fresh pinned buffer
+        # per copy, no wait on the device queue)
+        self._to_device = HostToDevice(device)
         k = kv_pool.k_buffer[0]
         self.token_bytes = 2 * len(kv_pool.k_buffer) * k[0].numel() * k.element_size()
         self._in_flight: deque[_Load] = deque()
@@ -98,17 +105,24 @@ class KVMover:
         self.bytes_to_device = 0
         self.load_seconds = 0.0
         self.loads = 0
+        self.copy_batches = 0  # gathers + scatters issued (a plan's saves are one, its loads one)
 
     @property
     def loads_pending(self) -> bool:
         return bool(self._in_flight or self._done)
 
     def run(self, copies: list[HostCopy]) -> None:
-        for copy in copies:
-            if isinstance(copy, HostSave):
-                self._save(copy)
-            else:
-                self._load(copy)
+        """A plan's copies: all its saves as one batch, then all its loads as one. Same
+        result as plan order: a load writes slots a save of the plan may have read
+        (saves first), and reads blocks a save may have written; a save never touches
+        what a load of the plan uses (loading nodes are locked: neither their slots
+        nor their blocks are given out)."""
+        saves = [c for c in copies if isinstance(c, HostSave)]
+        loads = [c for c in copies if isinstance(c, HostLoad)]
+        if saves:
+            self._save(saves)
+        if loads:
+            self._load(loads)
 
     def finished_loads(self) -> list[int]:
         """Tickets of the loads done since the last call (never waits)."""
@@ -116,7 +130,7 @@ class KVMover:
         while self._in_flight and self._in_flight[0].done.query():  # one stream: in order
             load = self._in_flight.popleft()
             self.load_seconds += load.started.elapsed_time(load.done) / 1000
-            out.append(load.ticket)
+            out.extend(load.tickets)
         return out
 
     def wait_for_load(self) -> None:
@@ -125,31 +139,42 @@ class KVMover:
             self._in_flight[0].done.synchronize()
 
     # ------------------------------------------------------------------ copies
-    def _save(self, copy: HostSave) -> None:
-        staged = self._gather(self._index(copy.device_slots))
+    def _save(self, saves: list[HostSave]) -> None:
+        # A block the host tier gave up and handed out again within the plan may be the
+        # target of two saves: the later one holds what the tree says it holds.
+        target = {}
+        for save in saves:
+            target.update(zip(save.host_blocks, save.device_slots))
+        blocks = sorted(target)  # consecutive blocks: one copy each run
+        staged = self._gather(self._index([target[b] for b in blocks]))
+        self.copy_batches += 1
         host = self.host_pool.buffer
         if self.copy_stream is None:
-            for start, offset, length in _runs(copy.host_blocks):
+            for start, offset, length in _runs(blocks):
                 host[start:start + length].copy_(staged[offset:offset + length])
         else:
             gathered = torch.cuda.Event()
             gathered.record()
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(gathered)
-                for start, offset, length in _runs(copy.host_blocks):
+                for start, offset, length in _runs(blocks):
                     host[start:start + length].copy_(staged[offset:offset + length],
                                                      non_blocking=True)
             staged.record_stream(self.copy_stream)  # kept until the copy has read it
-        self.bytes_to_host += len(copy.host_blocks) * self.token_bytes
+        self.bytes_to_host += len(blocks) * self.token_bytes
 
-    def _load(self, copy: HostLoad) -> None:
-        self.loads += 1
-        self.bytes_to_device += len(copy.host_blocks) * self.token_bytes
+    def _load(self, loads: list[HostLoad]) -> None:
+        blocks = [b for load in loads for b in load.host_blocks]
+        slots = [s for load in loads for s in load.device_slots]
+        tickets = [load.ticket for load in loads]
+        self.loads += len(loads)
+        self.copy_batches += 1
+        self.bytes_to_device += len(blocks) * self.token_bytes
         if self.copy_stream is None:
             started = time.perf_counter()
-            self._scatter(self._index(copy.device_slots), self._stage(copy.host_blocks, False))
+            self._scatter(self._index(slots), self._stage(blocks, False))
             self.load_seconds += time.perf_counter() - started
-            self._done.append(copy.ticket)
+            self._done.extend(tickets)
             return
         compute_so_far = torch.cuda.Event()
         compute_so_far.record()  # the slots' previous users have run
@@ -157,18 +182,14 @@ class KVMover:
             self.copy_stream.wait_event(compute_so_far)
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-            self._scatter(self._index(copy.device_slots), self._stage(copy.host_blocks, True))
+            self._scatter(self._index(slots), self._stage(blocks, True))
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        self._in_flight.append(_Load(copy.ticket, started, done))
+        self._in_flight.append(_Load(tickets, started, done))
 
     def _index(self, slots: list[int]) -> torch.Tensor:
-        """Slot numbers on the device, from freshly pinned memory: no wait on a staging
-        buffer that an earlier copy may still be reading."""
-        host = torch.tensor(slots, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """Slot numbers as a tensor on the device, on the current stream."""
+        return self._to_device(slots, torch.int64)
 
     def _gather(self, index: torch.Tensor) -> torch.Tensor:
         """[n, layers, 2, kv_heads, head_dim]: the KV of ``index``'s slots, every layer."""

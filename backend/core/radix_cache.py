@@ -39,7 +39,7 @@ __all__ = ["MatchResult", "NoCache", "RadixCache", "TreeNode", "common_prefix_le
 
 class RadixCache:
     def __init__(self, slots: KVSlotAllocator, policy: EvictionPolicy | None = None,
-                 host: HostBlockAllocator | None = None) -> None:
+                 host: HostBlockAllocator | None = None, host_load_min_tokens: int = 0) -> None:
         self.slots = slots  # evicted slots go back here
         self.policy = policy or LRUPolicy()
         self.host = host if host is not None and host.size > 0 else None
@@ -51,6 +51,8 @@ class RadixCache:
         self.evictable_size = 0  # device tokens in unlocked nodes
         self.protected_size = 0  # device tokens in locked nodes
         self.host_size = 0  # tokens with a host copy
+        # host matches shorter than this count as misses (recomputed, not loaded)
+        self.host_load_min_tokens = host_load_min_tokens
         self.tiers = TierMover(self)
 
     @property
@@ -64,7 +66,8 @@ class RadixCache:
     # ---------------------------------------------------------------- match / insert
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
         """Longest cached prefix of ``token_ids`` (either tier); splits an edge if the
-        match ends inside it."""
+        match ends inside it. A host part shorter than ``host_load_min_tokens`` is left
+        out: recomputing it costs less than loading it."""
         node, matched = self.root, []
         device_node, host_node, host_len = node, None, 0
         node.last_access = next(self._clock)
@@ -85,21 +88,31 @@ class RadixCache:
                 host_node = child
             node = child
             i += n
+        if host_len < self.host_load_min_tokens:
+            return MatchResult(matched, device_node)
         return MatchResult(matched, device_node, host_len, host_node)
 
-    def prefix_len(self, token_ids: list[int]) -> int:
-        """How many leading tokens are cached (either tier); changes nothing."""
-        node, i = self.root, 0
-        while i < len(token_ids):
+    def prefix_len(self, token_ids: list[int], limit: int | None = None) -> int:
+        """How many leading tokens of ``token_ids[:limit]`` ``match_prefix`` would find
+        (either tier, a host part only from ``host_load_min_tokens`` on); changes nothing
+        (no split, no recency): what ordering a queue needs, cheaper than a match."""
+        node, i, on_device = self.root, 0, 0
+        end = len(token_ids) if limit is None else min(limit, len(token_ids))
+        while i < end:
             child = node.children.get(token_ids[i])
             if child is None:
                 break
-            n = common_prefix_len(child.key, token_ids, i)
-            i += n
-            if n < len(child.key):
-                break
+            key, start = child.key, i
+            if i + len(key) <= end and token_ids[i:i + len(key)] == key:
+                i += len(key)  # the usual case, without a call: the whole edge matches
+            else:
+                i += min(common_prefix_len(key, token_ids, i), end - i)
+            if child.value:
+                on_device = i
+            if i - start < len(key):
+                break  # the match ends inside this edge
             node = child
-        return i
+        return i if i - on_device >= self.host_load_min_tokens else on_device
 
     def record_use(self, node: TreeNode) -> None:
         """A request uses the cached path ending at ``node`` (call once per admission):
@@ -287,23 +300,42 @@ class NoCache(RadixCache):
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
         return MatchResult([], self.root)
 
-    def prefix_len(self, token_ids: list[int]) -> int:
+    def prefix_len(self, token_ids: list[int], limit: int | None = None) -> int:
         return 0
 
     def insert(self, token_ids: list[int], kv_indices: list[int]) -> int:
         return len(token_ids)  # "all present": the caller frees every slot it passed
 
 
-_CHUNK = 32
+# below this many tokens left to search, compare token by token
+_SCAN = 16
 
 
 def common_prefix_len(key: list[int], token_ids: list[int], start: int = 0) -> int:
-    """How many leading tokens of ``key`` equal ``token_ids[start:]``."""
+    """How many leading tokens of ``key`` equal ``token_ids[start:]``.
+
+    Slices of lists compare in C: the whole stretch is compared at once (a match runs
+    through whole edges but at most one), and where it differs the first difference is
+    found by halving the stretch that holds it, not token by token in Python."""
     n = min(len(key), len(token_ids) - start)
-    i = 0
-    if type(key) is type(token_ids):  # slices compare in C: whole chunks first
-        while i + _CHUNK <= n and key[i:i + _CHUNK] == token_ids[start + i:start + i + _CHUNK]:
-            i += _CHUNK
+    if type(key) is not type(token_ids):
+        return _scan(key, token_ids, start, 0, n)
+    if n == len(key):
+        if key == token_ids[start:start + n]:
+            return n
+    elif key[:n] == token_ids[start:start + n]:
+        return n
+    lo, hi = 0, n  # key[:lo] matches; the first difference lies in [lo, hi)
+    while hi - lo > _SCAN:
+        mid = (lo + hi) // 2
+        if key[lo:mid] == token_ids[start + lo:start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return _scan(key, token_ids, start, lo, hi)
+
+
+def _scan(key: list[int], token_ids: list[int], start: int, i: int, n: int) -> int:
     while i < n and key[i] == token_ids[start + i]:
         i += 1
     return i

@@ -146,7 +146,7 @@ class Req:
     def max_match_len(self) -> int:
         """How much of fill_ids may come from the cache: at least one token must be
         computed to produce logits, and prompt logprobs need their rows computed."""
-        limit = len(self.fill_ids) - 1
+        limit = self.seq_len - 1  # not len(fill_ids): that copies the prompt
         if self.wants_prompt_logprobs:
             limit = min(limit, max(self.prompt_logprobs_start - 1, 0))
         return max(limit, 0)

@@ -33,8 +33,9 @@ from .radix_cache import RadixCache
 from .request import Req, ReqStatus
 
 # an eviction frees at least this share of the pool (1/EVICT_SHARE): the lowest-ranked
-# leaves, which would soon go anyway
-EVICT_SHARE = 256
+# leaves, which would soon go anyway. Each eviction walks the tree and plans the saves
+# to the host tier: with a 1/256 share a multi-turn chat evicted every other step
+EVICT_SHARE = 64
 
 
 @dataclass(slots=True)

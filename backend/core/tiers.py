@@ -3,7 +3,8 @@
 Eviction from the device takes unlocked device leaves in the policy's order. A victim
 already on the host just gives its slots back. Otherwise its KV is saved to the host
 when it ranks above what the host would have to give up for it (the host tier is
-evicted by the same policy), else it is dropped, with any host-only nodes below it. The
+evicted by the same policy) and a later load could reach ``host_load_min_tokens`` (a
+shorter host match is recomputed), else it is dropped, with any host-only nodes below it. The
 tree is updated at once; the copies are queued as ``HostSave``/``HostLoad`` records in
 the order the device side must run them (``take_copies``).
 
@@ -60,18 +61,22 @@ class TierMover:
                 heapq.heappush(heap, self._entry(upper, now, crowded))
             freed += len(leaf.value)
             cache.evictable_size -= len(leaf.key)
-            if cache.host is not None and not leaf.host:
-                if host_heap is None:
+            if cache.host is not None and not leaf.host and self._loadable(leaf):
+                # the host's candidates are ranked only once the host is full: ranking
+                # every host copy costs more than the rest of an eviction
+                if host_heap is None and not cache.host.can_alloc(len(leaf.key)):
                     host_heap = [self._entry(n, now, crowded) for n in host_nodes
                                  if _host_candidate(n)]
                     heapq.heapify(host_heap)
-                if self._make_host_room(len(leaf.key), prio, host_heap, crowded):
+                if self._make_host_room(len(leaf.key), prio, host_heap or [], crowded):
                     self._save(leaf)
             cache.slots.free(leaf.value)
             leaf.value = []
             parent = leaf.parent
             if leaf.host:
-                if host_heap is not None and not leaf.children:
+                if host_heap is None:
+                    host_nodes.append(leaf)  # a candidate if the heap is built later
+                elif not leaf.children:
                     heapq.heappush(host_heap, self._entry(leaf, now, crowded))
             else:
                 self._drop_subtree(leaf, now)
@@ -92,17 +97,30 @@ class TierMover:
         leaves, host_nodes = [], []
         new = total = 0
         stack = list(self.cache.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            n = len(node.key) * ((1 if node.value else 0) + (1 if node.host else 0))
-            total += n
-            new += n if node.uses < 2 else 0
+        pop, push = stack.pop, stack.extend
+        while stack:  # (the hot loop of an eviction: one pass, few calls)
+            node = pop()
+            children = node.children
+            n = 0
+            if node.value:
+                n = len(node.key)
+                if not children or not any(c.value for c in children.values()):
+                    leaves.append(node)
             if node.host:
+                n += len(node.key)
                 host_nodes.append(node)
-            if node.value and not any(c.value for c in node.children.values()):
-                leaves.append(node)
+            if children:
+                push(children.values())
+            total += n
+            if node.uses < 2:
+                new += n
         return leaves, host_nodes, new > self.cache.policy.probation_share * total
+
+    def _loadable(self, node: TreeNode) -> bool:
+        """Whether a later load could bring back ``host_load_min_tokens`` with ``node``:
+        even with its whole path on the host it would be shorter, and a shorter host
+        match is recomputed, so a copy would never be used."""
+        return node.depth + len(node.key) >= self.cache.host_load_min_tokens
 
     def _save(self, node: TreeNode) -> None:
         blocks = self.cache.host.alloc(len(node.key))

@@ -1,90 +1,88 @@
 """The two-tier radix cache on the GPU, one engine configuration per process, JSON lines out.
 
     python benchmarks/gpu/bench_cache_tiers.py --model /tmp/shapes/llama-1b --out results.jsonl \
-        [--modes multiturn,load] [--configs tiers,lru-gpu,adaptive-gpu] [--budget-s 400]
+        [--modes multiturn,load] [--configs tiers,lru-gpu] [--budget-s 240]
     python benchmarks/gpu/bench_cache_tiers.py --model /tmp/shapes/tiny-llama --device cpu --quick
 
 Modes:
-  multiturn  chats of many users, a fixed number in flight; each turn resends the whole
-             history (shared system prompt, earlier turns, the model's own answers). The
-             users' histories average 4x the GPU KV pool. Per configuration: throughput
+  multiturn  the chats of ``benchmarks/chat_trace.py`` (the spec of the model's shape:
+             llama-1b 48 users x 10 turns, 24 in flight; llama-8b 32 x 6, 16 in flight;
+             others llama-1b's): a shared system prompt, histories growing to ~6k tokens,
+             every turn resending the whole history. The GPU KV pool is a quarter of the
+             histories' mean total, the host tier 8 pools. Per configuration: throughput
              (prompt + output tokens / s, output tokens / s), time to first token, hit
              rate per tier, KV bytes moved each way, load time.
   load       one prompt of L tokens: time to first token when its KV is recomputed against
              when it is loaded back from the host tier (and the copy's own device time),
-             for L from 128 to 32k tokens; ``crossover_tokens`` is the shortest L from which
-             loading wins.
+             for L from 128 to 32k tokens (every length loaded: host_load_min_tokens 0);
+             ``crossover_tokens`` is the shortest L from which loading wins.
 Configurations (``--configs``, each in its own process: ``--child NAME``): ``tiers`` (the
-defaults: adaptive eviction, host tier of 2x the pool), ``lru-gpu`` (LRU, no host tier:
-the cache before the tier), ``adaptive-gpu`` (adaptive, no host tier). The parent prints
-each configuration's numbers and the tiers / lru-gpu ratios.
+defaults: adaptive eviction, and a host tier of 8 pools), ``lru-gpu`` (LRU, no host tier:
+the cache before the tier), ``adaptive-gpu`` (adaptive, no host tier; not run unless
+named). The parent gives each its share of the budget (``WEIGHTS``), prints each
+configuration's numbers and the tiers / lru-gpu ratios.
 """
 from __future__ import annotations
 
 import argparse
-import collections
+import dataclasses
 import json
-import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common as C  # noqa: E402
+from chat_trace import HOST_RATIO, SPECS, WORKING_SET_X, ChatTrace  # noqa: E402
 from common import log  # noqa: E402
 
 CONFIGS = {
-    "tiers": {},
+    "tiers": {"host_cache_ratio": HOST_RATIO},
     "lru-gpu": {"radix_eviction_policy": "lru", "host_cache_ratio": 0},
     "adaptive-gpu": {"host_cache_ratio": 0},
 }
-# users, in flight, turns, system prompt, user message, answer (tokens)
-FULL = dict(users=128, in_flight=16, turns=6, system=1024, message=512, answer=32)
-QUICK = dict(users=12, in_flight=4, turns=3, system=32, message=16, answer=4)
-WORKING_SET_X = 4.0
+# shares of the budget: tiers pins its host memory at start and runs the load mode too
+WEIGHTS = {"tiers": 3, "lru-gpu": 2, "adaptive-gpu": 2}
 LOAD_LENGTHS = (128, 512, 2048, 8192, 32768)
+LOAD_NEED_S = 30  # the load mode on a GPU, engine start included (the chats run first)
 QUICK_LOAD_LENGTHS = (16, 64, 256)
 
 
-def mean_working_set(spec: dict) -> int:
-    """Tokens of all users' histories, averaged over the run (a history grows by one
-    message and one answer a turn)."""
-    per_turn = spec["message"] + spec["answer"]
-    return int(spec["users"] * (spec["system"] + per_turn * spec["turns"] / 2))
+def chat_spec(args):
+    if args.quick:
+        return SPECS["quick"]
+    return SPECS.get(args.name or C.model_label(args.model), SPECS["llama-1b"])
 
 
-def engine_config(args, name: str, pool: int, running: int):
+def engine_config(args, name: str, pool: int, running: int, **settings):
     from backend.core import EngineConfig
 
     on_cuda = args.device.startswith("cuda")
     return EngineConfig(model_path=args.model, device=args.device, load_format="dummy",
                         dtype="bfloat16" if on_cuda else "float32", max_total_tokens=pool,
                         max_running_requests=running, max_prefill_tokens=8192,
-                        **CONFIGS[name])
+                        **{**CONFIGS[name], **settings})
 
 
-def run_chats(eng, spec: dict, seed: int) -> dict:
+def run_chats(eng, spec, seed: int) -> dict:
     """Drive the chats to the end; returns the run's numbers."""
     from backend.core import SamplingParams
 
-    rng = random.Random(seed)
-    tok = lambda n: [rng.randrange(C.VOCAB_LO, C.VOCAB_HI) for _ in range(n)]  # noqa: E731
-    system = tok(spec["system"])
-    users = [{"history": list(system), "left": spec["turns"]} for _ in range(spec["users"])]
-    ready = collections.deque(range(len(users)))
-    params = SamplingParams(max_new_tokens=spec["answer"], temperature=0.0, ignore_eos=True)
+    trace = ChatTrace(spec, seed, (C.VOCAB_LO, C.VOCAB_HI))
     flying: dict[str, dict] = {}
-    ttft, prompt_tokens, output_tokens = [], 0, 0
+    ttft, prompt_tokens, output_tokens, requests = [], 0, 0, 0
     before = eng.stats()
     t0 = time.perf_counter()
-    while ready or flying:
-        while ready and len(flying) < spec["in_flight"]:
-            u = ready.popleft()
-            prompt = users[u]["history"] + tok(spec["message"])
-            rid = eng.add_request(prompt, params)
-            flying[rid] = {"user": u, "prompt": prompt, "out": [], "t": time.perf_counter()}
-            prompt_tokens += len(prompt)
+    while not trace.finished:
+        for turn in trace.next_turns():
+            params = SamplingParams(max_new_tokens=turn.max_new_tokens, temperature=0.0,
+                                    ignore_eos=True)
+            rid = eng.add_request(turn.prompt, params)
+            flying[rid] = {"turn": turn, "out": [], "t": time.perf_counter()}
+            prompt_tokens += len(turn.prompt)
+            requests += 1
         for o in eng.step():
             r = flying.get(o.request_id)
             if r is None:
@@ -95,19 +93,15 @@ def run_chats(eng, spec: dict, seed: int) -> dict:
             if o.finished:
                 del flying[o.request_id]
                 output_tokens += len(r["out"])
-                user = users[r["user"]]
-                user["history"] = r["prompt"] + r["out"]
-                user["left"] -= 1
-                if user["left"]:  # back into the queue's later half: think times vary
-                    ready.insert(rng.randint(len(ready) // 2, len(ready)), r["user"])
+                trace.done(r["turn"], r["out"])
     wall = time.perf_counter() - t0
     after = eng.stats()
     d = {k: after[k] - before[k] for k in ("prompt_tokens", "cache_hit_tokens",
                                            "cache_hit_tokens_host", "kv_bytes_to_host",
                                            "kv_bytes_to_device", "host_loads",
-                                           "host_load_seconds")}
+                                           "host_load_seconds", "schedule_seconds", "steps")}
     eng.check_integrity()
-    return {"wall_s": round(wall, 3), "requests": spec["users"] * spec["turns"],
+    return {"wall_s": round(wall, 3), "requests": requests,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_tok_per_s": round((prompt_tokens + output_tokens) / wall, 1),
             "output_tok_per_s": round(output_tokens / wall, 1),
@@ -117,22 +111,24 @@ def run_chats(eng, spec: dict, seed: int) -> dict:
             "kv_GB_to_host": round(d["kv_bytes_to_host"] / 1e9, 3),
             "kv_GB_to_device": round(d["kv_bytes_to_device"] / 1e9, 3),
             "host_loads": d["host_loads"], "host_load_s": round(d["host_load_seconds"], 3),
+            "schedule_ms_per_step": round(d["schedule_seconds"] / max(d["steps"], 1) * 1000, 3),
             "kv_pool_tokens": after["kv_tokens_total"],
             "host_tokens": after["host_cache_tokens_total"]}
 
 
 def mode_multiturn(args, name: str, rec) -> None:
-    spec = QUICK if args.quick else FULL
-    working = mean_working_set(spec)
-    pool = int(working / WORKING_SET_X)
+    spec = chat_spec(args)
     from backend.core import Engine
 
-    eng = Engine(engine_config(args, name, pool, spec["in_flight"]))
-    warm = dict(spec, users=spec["in_flight"], turns=2)
+    # the quick spec's prompts are all shorter than a load's threshold
+    settings = {"host_load_min_tokens": 0} if args.quick else {}
+    eng = Engine(engine_config(args, name, spec.pool_tokens(), spec.in_flight, **settings))
+    warm = dataclasses.replace(spec, users=spec.in_flight, turns=2)
     run_chats(eng, warm, seed=1)  # kernels compile here, untimed
     eng.cache.reset()
     m = run_chats(eng, spec, seed=2)
-    m.update(working_set_tokens=working, working_set_x=WORKING_SET_X, spec=spec)
+    m.update(working_set_tokens=spec.mean_working_set(), working_set_x=WORKING_SET_X,
+             host_ratio=HOST_RATIO, spec=dataclasses.asdict(spec))
     rec.write("multiturn", f"chats_x{WORKING_SET_X:g}", m)
 
 
@@ -143,7 +139,9 @@ def mode_load(args, name: str, rec) -> None:
 
     lengths = QUICK_LOAD_LENGTHS if args.quick else LOAD_LENGTHS
     room = 2 * max(lengths) + 64
-    eng = Engine(engine_config(args, name, room, 4))
+    # every length is loaded (no threshold), into a host tier of two pools
+    eng = Engine(engine_config(args, name, room, 4, host_cache_tokens=2 * room,
+                               host_load_min_tokens=0))
     if eng.cache.host is None:
         rec.write("load", "by_length", status="skipped", error="no host tier in this configuration")
         return
@@ -214,6 +212,7 @@ MODES = {"multiturn": mode_multiturn, "load": mode_load}
 
 
 def child(args) -> int:
+    budget = C.Budget(args.budget_s)
     label = args.name or C.model_label(args.model)
     rec = C.Recorder(args.out, "engine", label, f"cache-{args.child}", CONFIGS[args.child],
                      C.load_done(args.done), extra={"quick": args.quick, "device": args.device})
@@ -221,6 +220,10 @@ def child(args) -> int:
         if mode == "load" and args.child != "tiers":
             continue
         if rec.is_done(mode, f"chats_x{WORKING_SET_X:g}" if mode == "multiturn" else "by_length"):
+            continue
+        if mode == "load" and not budget.allows(LOAD_NEED_S):
+            rec.write(mode, "by_length", status="skipped",
+                      error=f"{budget.left():.0f}s left of this configuration's budget")
             continue
         try:
             MODES[mode](args, args.child, rec)
@@ -254,7 +257,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     C.add_common_args(ap)
     ap.add_argument("--modes", default="multiturn,load")
-    ap.add_argument("--configs", default="tiers,lru-gpu,adaptive-gpu")
+    ap.add_argument("--configs", default="tiers,lru-gpu")
     ap.add_argument("--child", choices=sorted(CONFIGS), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -262,7 +265,7 @@ def main(argv=None) -> int:
     budget = C.Budget(args.budget_s)
     names = [n for n in args.configs.split(",") if n]
     for i, name in enumerate(names):
-        share = budget.left() / (len(names) - i)
+        share = budget.left() * WEIGHTS[name] / sum(WEIGHTS[n] for n in names[i:])
         command = [sys.executable, __file__, "--child", name, "--model", args.model,
                    "--out", args.out, "--device", args.device, "--modes", args.modes,
                    "--budget-s", str(share)] + (["--quick"] if args.quick else []) + \

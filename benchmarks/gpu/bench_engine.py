@@ -2,7 +2,8 @@
 
     python benchmarks/gpu/bench_engine.py --model /tmp/shapes/llama-1b --out results.jsonl \
         [--modes offline,hbm,prefix,online,json] [--no-radix-cache] [--no-overlap] \
-        [--no-cuda-graph] [--budget-s 200] [--done earlier.jsonl ...]
+        [--no-cuda-graph] [--prefix-workloads few-shot] [--engine-arg quantization=fp8 \
+        --config-name fp8] [--budget-s 200] [--done earlier.jsonl ...]
     python benchmarks/gpu/bench_engine.py --model models/default --device cpu --quick
 
 Modes (each item appends one line to --out; an item that would not fit the budget is
@@ -210,7 +211,7 @@ def mode_offline(ctx):
         try:
             runs = []
             for rep in range(max(1, args.reps)):
-                prompts = C.random_prompts(b, n_in, C.hash_seed("offline", name, rep))
+                prompts = C.offline_prompts(name, b, n_in, rep)
                 reset_cache(eng)
                 sync(ctx["torch"], args.device)
                 if args.rep_gap_s:  # idle first, as a served burst arrives after a pause
@@ -441,6 +442,16 @@ def prefix_workloads(args) -> dict:
     return out
 
 
+def selected_prefix_workloads(args) -> dict:
+    """prefix_workloads narrowed to ``--prefix-workloads`` (comma list; empty: all)."""
+    workloads = prefix_workloads(args)
+    wanted = [w for w in (args.prefix_workloads or "").split(",") if w]
+    unknown = [w for w in wanted if w not in workloads]
+    if unknown:
+        raise ValueError(f"unknown prefix workload(s) {unknown}; known: {sorted(workloads)}")
+    return {k: v for k, v in workloads.items() if not wanted or k in wanted}
+
+
 def run_rounds(eng, workload, SP):
     """Run a workload's rounds (each submitted at once); returns metrics."""
     from workloads import BestHitTracker
@@ -473,7 +484,7 @@ def run_rounds(eng, workload, SP):
 
 def mode_prefix(ctx):
     eng, rec, args, budget, SP = ctx["eng"], ctx["rec"], ctx["args"], ctx["budget"], ctx["SP"]
-    for name, make in prefix_workloads(args).items():
+    for name, make in selected_prefix_workloads(args).items():
         if rec.is_done("prefix", name):
             continue
         if not budget.allows(ctx["min_item_s"]):
@@ -642,18 +653,25 @@ def config_name(args) -> str:
     return "+".join(parts) or "default"
 
 
+def warmup_batches(quick: bool) -> list[tuple[list[list[int]], int]]:
+    """The untimed warm-up, as (prompts, output tokens) batches submitted one after the
+    other: the shapes the modes use, then prompts behind a cached 1,024-token prefix (prefix
+    hits take the extend kernel's prefix path). vllm_peer.py warms vLLM with the same."""
+    shapes = [(1, 8, 4), (4, 8, 4)] if quick else [(1, 32, 8), (32, 32, 8), (128, 32, 8),
+                                                   (64, 256, 8), (8, 512, 8)]
+    out = [(C.random_prompts(b, n_in, C.hash_seed("warm", b, n_in)), n_out) for b, n_in, n_out in shapes]
+    shared = C.random_prompts(1, 64 if quick else 1024, C.hash_seed("warm-prefix"))[0]
+    for j in range(2):
+        tails = C.random_prompts(4, 8, C.hash_seed("warm-tail", j))
+        out.append(([shared + tl for tl in tails], 4))
+    return out
+
+
 def warmup(eng, SP, args, torch):
     """Trigger kernel compilation for the shapes the modes use (untimed)."""
     t = time.perf_counter()
-    q = args.quick
-    shapes = [(1, 8, 4), (4, 8, 4)] if q else [(1, 32, 8), (32, 32, 8), (128, 32, 8), (64, 256, 8), (8, 512, 8)]
-    for b, n_in, n_out in shapes:
-        drive(eng, [0.0] * b, C.random_prompts(b, n_in, C.hash_seed("warm", b, n_in)), greedy(SP, n_out))
-    # a cached-prefix extend (prefix hits take the extend kernel's prefix path)
-    shared = C.random_prompts(1, 64 if q else 1024, C.hash_seed("warm-prefix"))[0]
-    for j in range(2):
-        tails = C.random_prompts(4, 8, C.hash_seed("warm-tail", j))
-        drive(eng, [0.0] * 4, [shared + tl for tl in tails], greedy(SP, 4))
+    for prompts, n_out in warmup_batches(args.quick):
+        drive(eng, [0.0] * len(prompts), prompts, greedy(SP, n_out))
     reset_cache(eng)
     sync(torch, args.device)
     return time.perf_counter() - t
@@ -673,6 +691,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rep-gap-spin", action="store_true",
                     help="spend --rep-gap-s spinning on the host instead of asleep")
     ap.add_argument("--config-name", default=None, help="label (default from the flags)")
+    ap.add_argument("--prefix-workloads", default=None,
+                    help="comma list of prefix workloads (default all: few-shot, multi-turn, "
+                         "tree-of-thought and their -short forms)")
     ap.add_argument("--online-shapes", default=None,
                     help="comma list of online shapes (default all: in32_out128,in256_out32)")
     ap.add_argument("--engine-process", action="store_true",

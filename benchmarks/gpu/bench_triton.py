@@ -51,6 +51,17 @@ import common as C  # noqa: E402
 from common import log  # noqa: E402
 
 MODEL = "llm"
+# The wire type of the prompt's token ids: the llm model declares input_ids TYPE_INT64
+# (backend/wire.py), and Triton rejects a request of any other type before the model
+# sees it; tests/test_bench_triton_wire.py checks the two agree.
+INPUT_IDS_DATATYPE = "INT64"
+
+
+def input_ids_array(prompt: list[int]):
+    """The prompt as the ``input_ids`` tensor's data (numpy of INPUT_IDS_DATATYPE)."""
+    import numpy as np
+
+    return np.asarray(prompt, dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------- server
@@ -221,7 +232,6 @@ def _client_worker(url, items, t0, n_out, timeout_s, id_prefix):
 
 
 async def _client_async(url, items, t0, n_out, timeout_s, id_prefix):
-    import numpy as np
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -237,8 +247,8 @@ async def _client_async(url, items, t0, n_out, timeout_s, id_prefix):
         delay = t0 + arrival - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        inp = grpcclient.InferInput("input_ids", [len(prompt)], "INT64")
-        inp.set_data_from_numpy(np.asarray(prompt, dtype=np.int64))
+        inp = grpcclient.InferInput("input_ids", [len(prompt)], INPUT_IDS_DATATYPE)
+        inp.set_data_from_numpy(input_ids_array(prompt))
         params = {"stream": True, "max_tokens": int(n_out), "temperature": 0.0,
                   "ignore_eos": True, "exclude_input_in_output": True}
 
@@ -385,7 +395,7 @@ def mode_offline(server, rec, args, budget):
             runs = []
             before = server.stats() or {}
             for rep in range(max(1, args.reps)):
-                prompts = C.random_prompts(b, n_in, C.hash_seed("offline", name, rep))
+                prompts = C.offline_prompts(name, b, n_in, rep)
                 t = time.perf_counter()
                 run_id = f"{name}-{rep}-"
                 reqs = run_requests(server.grpc_url, [0.0] * b, prompts, n_out, args.client_procs,

@@ -55,6 +55,26 @@ def random_prompts(n: int, length: int, seed: int, hi: int = VOCAB_HI) -> list[l
     return [[rng.randrange(VOCAB_LO, hi) for _ in range(length)] for _ in range(n)]
 
 
+def offline_rows(quick: bool) -> list[tuple[str, int, int, int]]:
+    """The offline rows as (name, batch, input tokens, output tokens)."""
+    return [(offline_name(*row), *row) for row in (QUICK_OFFLINE_ROWS if quick else OFFLINE_ROWS)]
+
+
+def offline_prompts(name: str, batch: int, n_in: int, rep: int) -> list[list[int]]:
+    """The prompts of measured run ``rep`` of an offline row: every system gets these
+    (a fresh set per run, so no run finds the previous one's prompts cached)."""
+    return random_prompts(batch, n_in, hash_seed("offline", name, rep))
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median output tok/s (the upper middle of an even count), with every
+    run's tok/s under ``reps_output_tok_per_s`` (ascending)."""
+    runs = sorted(runs, key=lambda m: m["output_tok_per_s"] or 0)
+    m = dict(runs[len(runs) // 2])
+    m["reps_output_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
+    return m
+
+
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """Arrival offsets (s) of a Poisson process of ``rate`` req/s; the first at 0."""
     rng = random.Random(seed)

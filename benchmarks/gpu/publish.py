@@ -23,8 +23,10 @@ RUNS_DIR = REPO / "docs" / "benchmarks" / "runs"
 # The fields of a result line the report reads, and of its metrics: a name mapped to None
 # keeps the value, to a tuple keeps those keys of a dict value, to a dict applies itself to
 # every value of a dict (the TTFT parts: the p50 of each).
-RECORD_FIELDS = ("key", "ts", "git", "system", "model", "config", "mode", "workload", "rate",
-                 "status", "error")
+# run_id: one run_all invocation (one device call, one machine instance); the report's
+# ratios pair only lines of one run_id
+RECORD_FIELDS = ("key", "ts", "run_id", "git", "system", "model", "config", "mode", "workload",
+                 "rate", "status", "error")
 PERCENTILES = ("p50", "p90", "p99")
 SHOWN_METRICS = {
     # throughput and latency (offline, online, prefix, json)
@@ -44,6 +46,7 @@ SHOWN_METRICS = {
     "identical": None, "asserted": None, "tok_per_s_graph": None, "tok_per_s_eager": None,
     "ok": None, "integrity_ok": None, "text": None, "init_s": None, "load_s": None,
     "ready_s": None, "warmup_s": None, "kv_pool_tokens": None, "gpu": None,
+    "vllm_version": None,
 }
 
 

@@ -5,7 +5,8 @@
 
 Reads the published runs (``publish.py``; raw JSON-lines files work too, for a dry run),
 keeps one result per item (the latest ``ok`` one, else the latest), and writes README.md
-(tables: the targets, anchor rows with the transformers / vLLM anchors, the Triton TTFT
+(tables: the targets, vLLM beside us in one run, anchor rows with the transformers / vLLM
+anchors, the Triton TTFT
 split, online streams, shared prefix, decode HBM bandwidth, JSON decoding, checks, what was
 not measured) and PNG plots. Anchors are the speed anchors (measured on the same H200
 model, 2026-11-30).
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 from publish import RUNS_DIR, latest_per_item, load_runs  # noqa: E402
 from report_db import DB  # noqa: E402
+from report_peer import peer_section  # noqa: E402
 from report_plots import PLOT_FILES, plots  # noqa: E402
 from report_tables import (checks_section, hbm_section, json_section,  # noqa: E402
                            not_measured_section, offline_section, online_section,
@@ -41,8 +43,11 @@ METHOD = """## Method
   their arrival times, token times are taken when `step()` returns them.
 - Triton (`bench_triton.py`): tritonserver 2.51 (nvidia-pytriton 0.7.0) with the `radixlm`
   Python backend, KIND_GPU, the engine in a child process of the stub; tritonclient gRPC
-  aio, one stream per request, `input_ids` INT32, streaming responses; 8 client processes,
+  aio, one stream per request, `input_ids` INT64, streaming responses; 8 client processes,
   each with its channel open before the start time.
+- vLLM (`vllm_peer.py`, the `peer` phase): vLLM 0.26.0's offline `LLM.generate` on token-id
+  prompts (`load_format="dummy"`, no tokenizer, prefix caching on), one process per
+  configuration; the same prompts, warm-up and number of runs as the in-process engine.
 - transformers (`bench_hf.py`): `generate` (greedy, dynamic KV cache, default attention) on
   static batches. Online rows: a dynamic-batching server that runs up to 64 waiting requests
   as one static batch; per-batch durations and first-token times are measured with real
@@ -113,7 +118,8 @@ def main(argv=None) -> int:
         figs = [f for f in PLOT_FILES if (out / f).is_file()]
     else:
         figs = plots(db, out)
-    body = [REPRODUCE, targets_section(db), offline_section(db), triton_parts_section(db),
+    body = [REPRODUCE, targets_section(db), peer_section(lines), offline_section(db),
+            triton_parts_section(db),
             online_section(db), prefix_section(db),
             hbm_section(db), json_section(db), checks_section(db), not_measured_section(db), METHOD]
     for f in figs:

@@ -15,6 +15,11 @@
 #              tier on and off (same call otherwise)
 #   openai     bench_openai_overhead.py: 32 streams straight over gRPC against the same
 #              through radixlm-openai (SSE), one server (BENCH_OPENAI_MODEL, default llama-8b)
+#   peer       vLLM beside us on this machine instance (peer.sh install first): per model,
+#              vllm_peer.py for each of BENCH_PEER_CONFIGS (default "async"; e.g. "default
+#              async", "fp8+async"), then bench_engine's offline + prefix rows and
+#              bench_triton's offline rows; all from this run only (the report's ratios
+#              pair rows of one run)
 #   report     report.py: docs/benchmarks/{README.md,*.png} from the published runs in
 #              docs/benchmarks/runs/ (run it here, after publish.py; see README.md)
 #
@@ -26,12 +31,20 @@
 # BENCH_FRESH=1 (then only this run's results count). BENCH_ONLY=REGEX runs only the steps
 # whose name ("engine llama-1b", "hf llama-8b", "overlap-off llama-1b", ...) matches;
 # BENCH_ENGINE_MODES / BENCH_TRITON_MODES narrow the engine and triton steps' --modes.
+# BENCH_ENGINE_ARGS="quantization=fp8 ..." (EngineConfig fields) go to the engine, triton and
+# peer steps, whose rows are then labelled BENCH_CONFIG_NAME (required with them; name it as
+# vLLM's configuration of the same precision: fp8, kv-fp8, fp8+kv-fp8); BENCH_PREFIX_WORKLOADS
+# (comma list, e.g. few-shot) narrows bench_engine's prefix workloads.
 # Output: $OUT/results.jsonl, $OUT/log.txt, $OUT/server-<model>.log on the device machine
 # ($OUT unset: benchmarks/gpu/results/local/). BENCH_QUICK=1: CPU dry run, tiny sizes.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
-[ $# -ge 1 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,25p' "$0"; exit 2; }
+if [ -n "${BENCH_ENGINE_ARGS:-}" ] && [ -z "${BENCH_CONFIG_NAME:-}" ]; then
+  echo "run_all: BENCH_ENGINE_ARGS=\"$BENCH_ENGINE_ARGS\" needs BENCH_CONFIG_NAME (the rows' label," \
+       "e.g. fp8: else they would pass for the default configuration's)"; exit 2
+fi
 export BENCH_RUN_ID="${BENCH_RUN_ID:-$(date +%Y%m%d-%H%M%S)}"
 T0=$SECONDS
 DEADLINE="${BENCH_DEADLINE_S:-480}"
@@ -56,6 +69,13 @@ if [ "${BENCH_FRESH:-0}" != 1 ]; then  # BENCH_FRESH=1: measure again what earli
   for f in "$ROOT"/benchmarks/gpu/results/*.jsonl; do [ -f "$f" ] && DONE+=("$f"); done
 fi
 SERVER_PIDFILE="${BENCH_TMP:-/tmp}/radixlm_bench_server.pid"
+# our side's engine settings and their label (engine and triton steps take them alike)
+ENGINE_ARGS=() TRITON_ARGS=()
+for kv in ${BENCH_ENGINE_ARGS:-}; do ENGINE_ARGS+=(--engine-arg "$kv"); TRITON_ARGS+=(--engine-param "$kv"); done
+if [ -n "${BENCH_CONFIG_NAME:-}" ]; then
+  ENGINE_ARGS+=(--config-name "$BENCH_CONFIG_NAME"); TRITON_ARGS+=(--config-name "$BENCH_CONFIG_NAME")
+fi
+PREFIX_ARGS=(${BENCH_PREFIX_WORKLOADS:+--prefix-workloads "$BENCH_PREFIX_WORKLOADS"})
 
 left() { echo $((DEADLINE - (SECONDS - T0))); }
 # share W REST: seconds for a step of weight W when steps of total weight REST follow it
@@ -159,12 +179,13 @@ phase_engine() {
     b=$(share "$w" $((total + 1)))
     step "engine $m" "$b" "$PY" benchmarks/gpu/bench_engine.py \
       --model "$S/$m" ${BENCH_ENGINE_MODES:+--modes "$BENCH_ENGINE_MODES"} \
-      "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
+      "${ENGINE_ARGS[@]}" "${PREFIX_ARGS[@]}" "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
   done
   if [ "$QUICK" != 1 ]; then  # the default model: offline and prefix rows only
     b=$(share 1 0)
     step "engine default" "$b" "$PY" benchmarks/gpu/bench_engine.py --model "$S/default" \
-      --modes offline,prefix "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b"
+      --modes offline,prefix "${ENGINE_ARGS[@]}" "${PREFIX_ARGS[@]}" "${DEV[@]}" "${R[@]}" \
+      "${DONE[@]}" --budget-s "$b"
   fi
 }
 
@@ -200,7 +221,7 @@ phase_triton() {
     w=${weights[$i]}; total=$((total - w)); i=$((i + 1))
     b=$(share "$w" "$total")
     PYTHONPATH="$CLIENT_PYTHONPATH" step "triton $m" "$b" "$PY" benchmarks/gpu/bench_triton.py \
-      --model "$S/$m" --modes "${BENCH_TRITON_MODES:-offline,online}" \
+      --model "$S/$m" --modes "${BENCH_TRITON_MODES:-offline,online}" "${TRITON_ARGS[@]}" \
       "${DEV[@]}" "${R[@]}" "${DONE[@]}" --budget-s "$b" \
       --server-python "$RADIXLM_SERVER_PYTHON" --server-log "$BENCH_OUT/server-$m.log" \
       --server-pidfile "$SERVER_PIDFILE"
@@ -251,6 +272,43 @@ phase_openai() {  # the OpenAI layer's cost against direct gRPC streaming
   kill_leftover_server
 }
 
+phase_peer() {
+  # --done reads this run's results only: a ratio pairs two rows of one run (one machine
+  # instance), so no row is taken over from an earlier run
+  local cfgs=(${BENCH_PEER_CONFIGS:-async}) m c b
+  local run_done=(--done "$BENCH_RESULTS") prefix=(--prefix-workloads "${BENCH_PREFIX_WORKLOADS:-few-shot}")
+  # weights of the deadline: a vLLM start compiles for 1-3 minutes, ours starts in ~20 s
+  local wv=9 we=3 wt=4 remaining
+  remaining=$(( ${#MODELS[@]} * (${#cfgs[@]} * wv + we + wt) ))
+  if [ "$QUICK" != 1 ]; then
+    LAST_RC=0
+    step "peer-install" "$(cap "$(share 1 1)" 240)" bash benchmarks/gpu/peer.sh install
+    if (( LAST_RC != 0 )); then echo "== peer: vLLM is not installed (see above); phase stopped"; return 0; fi
+  fi
+  local vsite="${VLLM_SITE:-${BENCH_TMP:-/tmp}/vsite}"
+  for m in "${MODELS[@]}"; do
+    for c in "${cfgs[@]}"; do
+      remaining=$((remaining - wv)); b=$(share "$wv" "$remaining")
+      PYTHONPATH="$vsite:${PYTHONPATH:-}" step "vllm-$c $m" "$b" "$PY" benchmarks/gpu/vllm_peer.py \
+        --model "$S/$m" --config "$c" --modes offline,prefix "${prefix[@]}" \
+        "${DEV[@]}" "${R[@]}" "${run_done[@]}" --budget-s "$b"
+      [ "$QUICK" = 1 ] || nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null \
+        | sed 's/^/== GPU memory in use after the vLLM step: /'
+    done
+    remaining=$((remaining - we)); b=$(share "$we" "$remaining")
+    step "peer-engine $m" "$b" "$PY" benchmarks/gpu/bench_engine.py --model "$S/$m" \
+      --modes offline,prefix "${prefix[@]}" "${ENGINE_ARGS[@]}" \
+      "${DEV[@]}" "${R[@]}" "${run_done[@]}" --budget-s "$b"
+    remaining=$((remaining - wt)); b=$(share "$wt" "$remaining")
+    PYTHONPATH="$CLIENT_PYTHONPATH" step "peer-triton $m" "$b" "$PY" benchmarks/gpu/bench_triton.py \
+      --model "$S/$m" --modes offline "${TRITON_ARGS[@]}" \
+      "${DEV[@]}" "${R[@]}" "${run_done[@]}" --budget-s "$b" \
+      --server-python "$RADIXLM_SERVER_PYTHON" --server-log "$BENCH_OUT/server-peer-$m.log" \
+      --server-pidfile "$SERVER_PIDFILE"
+    kill_leftover_server
+  done
+}
+
 for PHASE in "$@"; do
   echo "=== phase $PHASE at +$((SECONDS - T0))s ($(left)s left)"
   case "$PHASE" in
@@ -261,8 +319,9 @@ for PHASE in "$@"; do
     instances) phase_instances ;;
     cache) phase_cache ;;
     openai) phase_openai ;;
+    peer) phase_peer ;;
     report) "${BENCH_REPORT_PY:-$PY}" benchmarks/gpu/report.py ;;
-    *) echo "unknown phase $PHASE (check engine baselines triton instances cache openai report)" ;;
+    *) echo "unknown phase $PHASE (check engine baselines triton instances cache openai peer report)" ;;
   esac
 done
 kill_leftover_server

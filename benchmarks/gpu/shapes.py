@@ -34,10 +34,12 @@ _LLAMA_COMMON = {
     "mlp_bias": False, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "use_cache": True,
     "vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
     "max_position_embeddings": 131072, "dtype": "bfloat16",
-    # transformers 5 spelling; the engine's rotary reads rope_parameters
-    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                        "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                        "original_max_position_embeddings": 8192},
+    # The layout of the Llama 3 checkpoints on the hub (rope_theta + rope_scaling), which
+    # every loader accepts: transformers 5 turns it into the rope_parameters the engine's
+    # rotary reads, and vLLM takes its config from transformers.
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
+                     "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
 }
 
 SHAPES: dict[str, dict] = {
