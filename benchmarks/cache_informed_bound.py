@@ -112,6 +112,8 @@ CHAT_TRACES = {  # name -> (trace, its system prompt, turns, think-time CV)
 
 
 def bound(name: str, knows_ends: bool = False) -> list[dict]:
+    """Rows of the informed policy's share of the optimum on the chat trace ``name``,
+    GPU-only and with the host tier."""
     make, system_len, turns, cv = CHAT_TRACES[name]
     trace = make()
     law = ThinkLaw(cv)
@@ -121,12 +123,13 @@ def bound(name: str, knows_ends: bool = False) -> list[dict]:
         policy = InformedPolicy(trace, system_len, turns, law, knows_ends)
         res = replay(trace.requests, trace.capacity, policy, host_tokens,
                      before_each=policy.before_request)
-        rows.append({"trace": name, "host_tier": bool(host_tokens),
-                     "hit_rate": res.hits / res.prompt_tokens,
-                     "optimal_hit_rate": best / res.prompt_tokens,
-                     "share_of_optimum": res.hits / best})
+        rows.append({"trace": name, "knows": "laws + ends" if knows_ends else "laws",
+                     "host_tier": bool(host_tokens),
+                     "hit_rate": round(res.hits / res.prompt_tokens, 4),
+                     "optimal_hit_rate": round(best / res.prompt_tokens, 4),
+                     "share_of_optimum": round(res.hits / best, 4)})
         r = rows[-1]
-        print(f"{name:18s} {'knows ends' if knows_ends else 'informed  '} host={'on ' if host_tokens else 'off'} hit "
+        print(f"{name:18s} knows {r['knows']:10s} host={'on ' if host_tokens else 'off'} hit "
               f"{100 * r['hit_rate']:5.1f}%  optimum {100 * r['optimal_hit_rate']:5.1f}%  -> "
               f"{100 * r['share_of_optimum']:5.1f}% of optimum", flush=True)
     return rows

@@ -13,9 +13,11 @@ exactly the prefix that comes next, every time.
 ``adaptive`` ranks a leaf by its expected saving per token of cache it holds (hit
 density, after LHD): how likely its prefix is to be used again, over how long the cache
 must hold it until then, times what a token of it costs to recompute. Each node keeps
-how often it was used (``uses``), when last (``last_use``) and its typical gap between
-uses (``gap``); ``reuse_model.py`` learns from all nodes how gaps are spread around that
-typical value and how likely a prefix used k times is to come back:
+how often it was used (``uses``), when last (``last_use``) and its mean gap between uses
+(``gap``); from all nodes the policy learns how likely a prefix used k times is to come
+back (``reuse_model.ReuseOdds``) and how long it then takes (``gap_model.GapModel``, one
+per group of use counts: 1, 2-3, 4-7, 8-15, 16+), every observation weighed by the tokens
+it concerns (tokens are what eviction trades):
 
 * **Frequency and recency.** A prefix with a short gap (a popular one) waits little for
   its next use and ranks high; one that has stayed away for long, relative to its gap,
@@ -25,14 +27,18 @@ typical value and how likely a prefix used k times is to come back:
   evicted first, as the offline optimum does, and the others stay and hit. Where reuse
   is memoryless the same rule ranks by rate (LFU-like). Chats with think times lie in
   between and get what the data says.
+* **Conversations.** A leaf created right below the end of an earlier request's path
+  (``ends_path``) is that conversation's next turn: it starts with the history of the
+  turns it extends (use count, gap), not as a one-off. The use count then counts turns,
+  and the odds per use count learn how likely a chat with k turns is to have another.
 * **Ghosts.** A cycle longer than the cache is invisible while each prefix is evicted
   before its second use. When a prefix leaves the cache altogether its statistics stay
-  in a small bounded history keyed by its position and first tokens; a prefix that comes
-  back resumes its use count and learns its gap from the ghost.
-* **Scans.** The chance of reuse is learned per use count (how many prefixes used k
-  times came back, against how many were dropped first), so a burst of one-off prompts
-  drives the chance of a first reuse down and ranks new leaves below prefixes that keep
-  coming back, instead of flushing them.
+  in a small bounded history (``ghost_history.py``); a prefix that comes back resumes
+  its use count and learns its gap from the ghost. A prefix counts as not reused when it
+  is dropped, and that is taken back if it returns: the odds measure prefixes that did
+  not come back, not those evicted too early.
+* **Scans.** A burst of one-off prompts drives the odds of a first reuse down and ranks
+  new leaves below prefixes that keep coming back, instead of flushing them.
 * **Cost.** Recomputing a token costs more the deeper it sits (attention reads every
   earlier token): a token at depth d weighs ``1 + d / ATTENTION_DEPTH``.
 
@@ -45,8 +51,8 @@ from abc import ABC, abstractmethod
 from typing import Protocol
 
 from .config import RADIX_EVICTION_POLICIES
-from .ghost_history import GHOST_WINDOW, Ghost, GhostHistory, GhostKey, anchor_of, ghost_key
 from .gap_model import GapModel
+from .ghost_history import GHOST_WINDOW, Ghost, GhostHistory, GhostKey, anchor_of, ghost_key
 from .reuse_model import ReuseOdds
 
 __all__ = ["AdaptivePolicy", "EvictionPolicy", "GhostKey", "LRUPolicy", "ghost_key",
@@ -58,11 +64,12 @@ ATTENTION_DEPTH = 8192
 MAX_USE_CLASS = 16
 # a prefix's gap is the mean of its last this many gaps (about)
 GAP_MEMORY = 8
+# gap models: use counts 1, 2-3, 4-7, 8-15 and 16+ (_group)
 NUM_GROUPS = 5
-# a group of use counts reads the model of all later gaps until it has seen this many
+# a group reads the model of all gaps until it has seen this many of its own
 GROUP_SETTLES = 32
-# the typical first gap (over all prefixes) moves this share towards each new one
-FIRST_GAP_SMOOTHING = 1 / 16
+# the typical tokens of an observation move this share towards each new one
+TOKENS_SMOOTHING = 1 / 16
 # ghosts remember at most this many tokens' worth of dropped prefixes per cached token
 GHOST_TOKENS_PER_TOKEN = 8.0
 # Scans: while never-reused prefixes hold more than this share of the cache they go before
@@ -135,7 +142,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.ghosts = GhostHistory(max(int(capacity_tokens * GHOST_TOKENS_PER_TOKEN), 1))
         self.odds = ReuseOdds(MAX_USE_CLASS)
         # gap models per group of use counts (_group): prefixes used about as often
-        # share one; a prefix not yet reused is measured against the first gaps of all
+        # come back alike (a chat's first turn, its later ones, a hot system prompt)
         self.gaps = [GapModel() for _ in range(NUM_GROUPS)]
         self.all_gaps = GapModel()  # read by a group that has seen few gaps yet
         self.mean_tokens = float(capacity_tokens) / 64  # typical tokens of a node observed
@@ -180,7 +187,8 @@ class AdaptivePolicy(EvictionPolicy):
         # the ghosts of the edges below (gone before it) become part of this one
         below = self.ghosts.absorb(anchor_of(_path_tail(node), node.depth + len(node.key)))
         ghost = Ghost(node.uses, node.last_use, node.gap, len(node.key) + below)
-        # counted as not reused until it comes back (then it was only evicted too early)
+        # counted as not reused until it comes back (then it was only evicted too early;
+        # the ghost's tokens include the edges below, each counted when it was dropped)
         self.odds.dropped(node.uses, len(node.key) / self.mean_tokens)
         self.ghosts.remember(key, ghost)
 
@@ -204,7 +212,7 @@ class AdaptivePolicy(EvictionPolicy):
         """What an observation of ``tokens`` counts for (tokens are what eviction trades),
         relative to the typical observation so far (so learning speed is the same whatever
         the lengths)."""
-        self.mean_tokens += FIRST_GAP_SMOOTHING * (tokens - self.mean_tokens)
+        self.mean_tokens += TOKENS_SMOOTHING * (tokens - self.mean_tokens)
         return tokens / self.mean_tokens
 
 
