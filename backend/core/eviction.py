@@ -16,8 +16,8 @@ must hold it until then, times what a token of it costs to recompute. Each node 
 how often it was used (``uses``), when last (``last_use``) and its mean gap between uses
 (``gap``); from all nodes the policy learns how likely a prefix used k times is to come
 back (``reuse_model.ReuseOdds``) and how long it then takes (``gap_model.GapModel``, one
-per group of use counts: 1, 2-3, 4-7, 8-15, 16+), every observation weighed by the tokens
-it concerns (tokens are what eviction trades):
+per group of use counts: 1, 2-15, 16+), every observation weighed by the tokens it
+concerns (tokens are what eviction trades):
 
 * **Frequency and recency.** A prefix with a short gap (a popular one) waits little for
   its next use and ranks high; one that has stayed away for long, relative to its gap,
@@ -64,8 +64,10 @@ ATTENTION_DEPTH = 8192
 MAX_USE_CLASS = 16
 # a prefix's gap is the mean of its last this many gaps (about)
 GAP_MEMORY = 8
-# gap models: use counts 1, 2-3, 4-7, 8-15 and 16+ (_group)
-NUM_GROUPS = 5
+# gap models: one for prefixes not yet reused, one for those reused up to 15 times (a
+# chat's later turns), one for the hot ones (a shared system prompt, a popular tenant);
+# finer groups learn from too few gaps each
+GROUP_BOUNDS = (2, 16)
 # a group reads the model of all gaps until it has seen this many of its own
 GROUP_SETTLES = 32
 # the typical tokens of an observation move this share towards each new one
@@ -143,7 +145,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.odds = ReuseOdds(MAX_USE_CLASS)
         # gap models per group of use counts (_group): prefixes used about as often
         # come back alike (a chat's first turn, its later ones, a hot system prompt)
-        self.gaps = [GapModel() for _ in range(NUM_GROUPS)]
+        self.gaps = [GapModel() for _ in range(len(GROUP_BOUNDS) + 1)]
         self.all_gaps = GapModel()  # read by a group that has seen few gaps yet
         self.mean_tokens = float(capacity_tokens) / 64  # typical tokens of a node observed
 
@@ -238,8 +240,8 @@ def _path_tail(node: NodeStats) -> list[int]:
 
 
 def _group(uses: int) -> int:
-    """Use counts 1, 2-3, 4-7, 8-15, 16 and more: the gap model a prefix reads."""
-    return min(max(uses, 1).bit_length() - 1, NUM_GROUPS - 1)
+    """The gap model a prefix used ``uses`` times reads (GROUP_BOUNDS)."""
+    return sum(1 for bound in GROUP_BOUNDS if uses >= bound)
 
 
 def _own_count(uses: int) -> int:
