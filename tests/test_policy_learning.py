@@ -150,6 +150,17 @@ def test_prefixes_with_very_different_rates_are_read_against_their_own_gaps():
     assert fast[1] < slow[1]  # expected ticks left: the popular prefix comes back sooner
 
 
+def test_until_it_has_seen_enough_gaps_a_model_reads_ages_against_own_gaps():
+    model = GapModel()
+    for _ in range(10):
+        model.observe(40.0, 40.0, own_count=1)
+    assert model.absolute_weight == 0.0
+    own = model.own_estimate(5.0, own_count=4)
+    assert own == (2 * 40.0 + 4 * 5.0) / 6  # drawn towards the typical gap
+    survival, wait = model.relative.tail(10.0 / own)
+    assert model.tail(10.0, own_gap=5.0, own_count=4) == (survival, wait * own)
+
+
 def test_a_request_that_hits_and_brings_a_dropped_edge_back_ticks_the_clock_once():
     cache = make(1000)
     system, a, b = list(range(100, 140)), list(range(500, 520)), list(range(600, 620))

@@ -2,8 +2,9 @@
 between caches): how gaps between uses are distributed, and how likely a prefix used k
 times is to be used again.
 
-Gaps are learned *relative to each prefix's own expected gap* (``x = gap / expected``),
-so one histogram describes the shape of reuse whatever the prefix's rate: strictly
+Gaps are learned *relative to an expected gap* (``x = gap / expected``; the prefix's own
+or its group's, ``gap_model.py``), so one histogram describes the shape of reuse
+whatever the rate: strictly
 periodic traffic (cycles) puts all mass at x = 1, memoryless traffic (independent
 requests to popular prefixes) spreads it as an exponential, chats with think times lie
 in between. From the shape, a prefix that has waited ``u`` expected gaps since its last
