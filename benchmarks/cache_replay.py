@@ -152,7 +152,7 @@ Notes:
   from the past (rotation, popularity, hot set versus one-off prompts).
 - The adaptive policy weighs a token by what it costs to recompute (a deeper token more:
   its attention reads every token before it), while the hit rate counts tokens alike;
-  on the chat traces, weighing tokens alike would add up to 3 points of the optimum.
+  weighing tokens alike changes the shares above by at most 2 points, either way.
 - The held-out traces check that the adaptive policy is not fitted to the four above
   (its constants were chosen on those and on other seeds of them): exponential think
   times, a system prompt ten times longer, a flatter Zipf law, and tenants, chats and
