@@ -8,11 +8,11 @@ import random
 import sys
 from pathlib import Path
 
+from backend.core.eviction import make_policy
 from backend.core.gap_model import GapModel
 from backend.core.ghost_history import Ghost, GhostHistory, anchor_of, ghost_key
 from backend.core.kv_allocator import KVSlotAllocator
 from backend.core.radix_cache import RadixCache
-from backend.core.eviction import make_policy
 from backend.core.reuse_model import ReuseOdds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
