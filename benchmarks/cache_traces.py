@@ -18,6 +18,10 @@ class Trace:
     description: str
     requests: list[TraceRequest]
     capacity: int  # device cache, tokens
+    # chats only: each request's conversation and arrival time (what an informed policy
+    # may know, see cache_informed_bound.py); None where the trace has no conversations
+    sessions: list[int] | None = None
+    arrivals: list[float] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -48,7 +52,8 @@ def cycle(prefixes: int = 5, fits: int = 4, rounds: int = 40, prefix_len: int = 
 
 def zipf_tenants(tenants: int = 120, requests: int = 2400, zipf_s: float = 1.0,
                  system_len: tuple[int, int] = (1000, 3000), question_len: tuple[int, int] = (30, 200),
-                 output_len: int = 64, cache_share: float = 0.2, seed: int = 5) -> Trace:
+                 output_len: int = 64, cache_share: float = 0.2, seed: int = 5,
+                 name: str = "zipf-tenants") -> Trace:
     """Many tenants, each with its own long system prompt, popularity Zipf(s); each
     request asks a new question. The cache holds ``cache_share`` of all system prompts."""
     tok = _Tokens(seed)
@@ -61,7 +66,7 @@ def zipf_tenants(tenants: int = 120, requests: int = 2400, zipf_s: float = 1.0,
     reqs = [TraceRequest(systems[t] + tok.run(rng.randint(*question_len)), tok.run(output_len))
             for t in picks]
     capacity = int(cache_share * sum(map(len, systems)))
-    return Trace("zipf-tenants", f"{tenants} tenants, system prompts {system_len[0]}-"
+    return Trace(name, f"{tenants} tenants, system prompts {system_len[0]}-"
                  f"{system_len[1]} tokens, Zipf({zipf_s}) popularity, {requests} requests; the "
                  f"cache holds {cache_share:.0%} of the system prompts", reqs, capacity)
 
@@ -69,7 +74,7 @@ def zipf_tenants(tenants: int = 120, requests: int = 2400, zipf_s: float = 1.0,
 def multi_turn(users: int = 240, active: int = 32, turns: tuple[int, int] = (3, 9),
                system_len: int = 200, user_len: tuple[int, int] = (50, 300),
                output_len: tuple[int, int] = (100, 300), think_cv: float = 0.5,
-               working_set_x: float = 4.0, seed: int = 7) -> Trace:
+               working_set_x: float = 4.0, seed: int = 7, name: str = "multi-turn") -> Trace:
     """Chats of many users, ``active`` at a time, each turn resending the whole history
     (shared system prompt, earlier turns and answers). A user's next turn comes a think
     time after the last (gamma-distributed, coefficient of variation ``think_cv``);
@@ -82,12 +87,14 @@ def multi_turn(users: int = 240, active: int = 32, turns: tuple[int, int] = (3, 
     started = 0
     live: list[tuple[float, int, dict]] = []  # (next arrival, tie-break, user)
     reqs: list[TraceRequest] = []
+    sessions: list[int] = []
+    arrivals: list[float] = []
     working: list[int] = []
 
     def start(now: float) -> None:
         nonlocal started
         started += 1
-        user = {"history": list(system), "left": rng.randint(*turns)}
+        user = {"history": list(system), "left": rng.randint(*turns), "id": started}
         heapq.heappush(live, (now + rng.gammavariate(shape, 1 / shape), started, user))
 
     while started < active:
@@ -97,6 +104,8 @@ def multi_turn(users: int = 240, active: int = 32, turns: tuple[int, int] = (3, 
         prompt = user["history"] + tok.run(rng.randint(*user_len))
         out = tok.run(rng.randint(*output_len))
         reqs.append(TraceRequest(prompt, out))
+        sessions.append(user["id"])
+        arrivals.append(now)
         user["history"] = prompt + out
         user["left"] -= 1
         working.append(sum(len(u["history"]) for *_, u in live) + len(user["history"]))
@@ -105,9 +114,10 @@ def multi_turn(users: int = 240, active: int = 32, turns: tuple[int, int] = (3, 
         elif started < users:
             start(now)
     capacity = int(sum(working) / len(working) / working_set_x)
-    return Trace("multi-turn", f"{users} users, {active} chatting at a time, {turns[0]}-"
-                 f"{turns[1]} turns each, think times with CV {think_cv:g}; the active chats "
-                 f"are {working_set_x:g}x the cache", reqs, capacity)
+    return Trace(name, f"{users} users, {active} chatting at a time, {turns[0]}-{turns[1]} "
+                 f"turns each, a {system_len}-token system prompt, think times with CV "
+                 f"{think_cv:g}; the active chats are {working_set_x:g}x the cache", reqs,
+                 capacity, sessions, arrivals)
 
 
 def hot_and_scans(hot: int = 12, hot_len: int = 2000, requests: int = 1500,
@@ -133,5 +143,38 @@ def hot_and_scans(hot: int = 12, hot_len: int = 2000, requests: int = 1500,
                  reqs, int(cache_x * hot * (hot_len + question_len + output_len)))
 
 
+def mixed(seed: int = 23) -> Trace:
+    """Tenants, chats and scan bursts at once: three streams merged at random (each keeps
+    its own order), a cache the sum of the tenants' and the chats' caches."""
+    rng = random.Random(seed)
+    tenants = zipf_tenants(tenants=40, requests=900, seed=seed + 1)
+    chats = multi_turn(users=120, active=16, seed=seed + 2)
+    scans = hot_and_scans(hot=1, requests=300, burst_every=20, burst=(4, 12), seed=seed + 3)
+    bursts: list[list[TraceRequest]] = [[]]
+    for r in scans.requests:  # the scan trace's one hot prefix is left out
+        if len(r.prompt) > 2000 + 64:
+            bursts[-1].append(r)
+        elif bursts[-1]:
+            bursts.append([])
+    streams = [[[r] for r in tenants.requests], [[r] for r in chats.requests],
+               [b for b in bursts if b]]
+    reqs: list[TraceRequest] = []
+    while any(streams):
+        pick = rng.choices(streams, weights=[len(s) for s in streams])[0]
+        reqs.extend(pick.pop(0))
+    return Trace("mixed", "40 Zipf tenants, 120 users chatting 16 at a time and bursts of "
+                 "one-off 6000-token prompts, merged at random; the cache is the sum of the "
+                 "tenants' and the chats' own", reqs, tenants.capacity + chats.capacity)
+
+
 def all_traces() -> list[Trace]:
     return [cycle(), zipf_tenants(), multi_turn(), hot_and_scans()]
+
+
+def held_out_traces() -> list[Trace]:
+    """Traces the policy's constants were not tuned on: other seeds, other think-time laws,
+    another system prompt, the three kinds of traffic at once."""
+    return [multi_turn(think_cv=1.0, seed=17, name="chats-exponential"),
+            multi_turn(system_len=2000, seed=19, name="chats-long-system"),
+            zipf_tenants(zipf_s=0.8, seed=31, cache_share=0.3, name="zipf-0.8"),
+            mixed()]

@@ -102,5 +102,8 @@ def test_the_committed_page_is_what_the_committed_results_make():
     docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
     report = json.loads((docs / "cache_policies.json").read_text())
     assert (docs / "cache_policies.md").read_text() == markdown(report)
-    assert {r["trace"] for r in report["rows"]} == {
-        "cycle", "zipf-tenants", "multi-turn", "hot-and-scans"}
+    issue = {t["name"] for t in report["traces"] if not t["held_out"]}
+    assert issue == {"cycle", "zipf-tenants", "multi-turn", "hot-and-scans"}
+    assert {r["trace"] for r in report["rows"]} == {t["name"] for t in report["traces"]}
+    # the chat traces come with what a policy knowing their laws reaches
+    assert {b["trace"] for b in report["informed_bounds"]} >= {"multi-turn"}

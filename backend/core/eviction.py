@@ -13,9 +13,11 @@ exactly the prefix that comes next, every time.
 ``adaptive`` ranks a leaf by its expected saving per token of cache it holds (hit
 density, after LHD): how likely its prefix is to be used again, over how long the cache
 must hold it until then, times what a token of it costs to recompute. Each node keeps
-how often it was used (``uses``), when last (``last_use``) and its typical gap between
-uses (``gap``); ``reuse_model.py`` learns from all nodes how gaps are spread around that
-typical value and how likely a prefix used k times is to come back:
+how often it was used (``uses``), when last (``last_use``) and its mean gap between uses
+(``gap``); from all nodes the policy learns how likely a prefix used k times is to come
+back (``reuse_model.ReuseOdds``) and how long it then takes (``gap_model.GapModel``, one
+per group of use counts: 1, 2-15, 16+), every observation weighed by the tokens it
+concerns (tokens are what eviction trades):
 
 * **Frequency and recency.** A prefix with a short gap (a popular one) waits little for
   its next use and ranks high; one that has stayed away for long, relative to its gap,
@@ -25,14 +27,18 @@ typical value and how likely a prefix used k times is to come back:
   evicted first, as the offline optimum does, and the others stay and hit. Where reuse
   is memoryless the same rule ranks by rate (LFU-like). Chats with think times lie in
   between and get what the data says.
+* **Conversations.** A leaf created right below the end of an earlier request's path
+  (``ends_path``) is that conversation's next turn: it starts with the history of the
+  turns it extends (use count, gap), not as a one-off. The use count then counts turns,
+  and the odds per use count learn how likely a chat with k turns is to have another.
 * **Ghosts.** A cycle longer than the cache is invisible while each prefix is evicted
   before its second use. When a prefix leaves the cache altogether its statistics stay
-  in a small bounded history keyed by its position and first tokens; a prefix that comes
-  back resumes its use count and learns its gap from the ghost.
-* **Scans.** The chance of reuse is learned per use count (how many prefixes used k
-  times came back, against how many were dropped first), so a burst of one-off prompts
-  drives the chance of a first reuse down and ranks new leaves below prefixes that keep
-  coming back, instead of flushing them.
+  in a small bounded history (``ghost_history.py``); a prefix that comes back resumes
+  its use count and learns its gap from the ghost. A prefix counts as not reused when it
+  is dropped, and that is taken back if it returns: the odds measure prefixes that did
+  not come back, not those evicted too early.
+* **Scans.** A burst of one-off prompts drives the odds of a first reuse down and ranks
+  new leaves below prefixes that keep coming back, instead of flushing them.
 * **Cost.** Recomputing a token costs more the deeper it sits (attention reads every
   earlier token): a token at depth d weighs ``1 + d / ATTENTION_DEPTH``.
 
@@ -42,20 +48,30 @@ child leaves), and the tree enforces that: a policy only orders candidates.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from .config import RADIX_EVICTION_POLICIES
-from .reuse_model import GapShape, ReuseOdds
+from .gap_model import GapModel
+from .ghost_history import GHOST_WINDOW, Ghost, GhostHistory, GhostKey, anchor_of, ghost_key
+from .reuse_model import ReuseOdds
+
+__all__ = ["AdaptivePolicy", "EvictionPolicy", "GhostKey", "LRUPolicy", "ghost_key",
+           "make_policy"]
 
 # depth at which a token's attention costs as much again as the rest of its layer
 ATTENTION_DEPTH = 8192
 # use counts above this share one class (their reuse probability is learned together)
-MAX_USE_CLASS = 4
-# a gap estimate moves this share of the way to each newly observed gap
-GAP_SMOOTHING = 0.5
-# the typical first gap (over all prefixes) moves this share towards each new one
-FIRST_GAP_SMOOTHING = 1 / 16
+MAX_USE_CLASS = 16
+# a prefix's gap is the mean of its last this many gaps (about)
+GAP_MEMORY = 8
+# gap models: one for prefixes not yet reused, one for those reused up to 15 times (a
+# chat's later turns), one for the hot ones (a shared system prompt, a popular tenant);
+# finer groups learn from too few gaps each
+GROUP_BOUNDS = (2, 16)
+# a group reads the model of all gaps until it has seen this many of its own
+GROUP_SETTLES = 32
+# the typical tokens of an observation move this share towards each new one
+TOKENS_SMOOTHING = 1 / 16
 # ghosts remember at most this many tokens' worth of dropped prefixes per cached token
 GHOST_TOKENS_PER_TOKEN = 8.0
 # Scans: while never-reused prefixes hold more than this share of the cache they go before
@@ -63,8 +79,6 @@ GHOST_TOKENS_PER_TOKEN = 8.0
 # new prefixes always have room to prove themselves
 PROBATION_SHARE = 0.1
 PROBATION_RANK = 1e9  # far below any density
-# tokens of context on each side of a prefix's start that identify its ghost
-GHOST_WINDOW = 32
 
 
 class NodeStats(Protocol):
@@ -76,75 +90,8 @@ class NodeStats(Protocol):
     last_use: int
     gap: float
     depth: int  # tokens above the node's first token
-
-
-class Ghost(NamedTuple):
-    uses: int
-    last_use: int
-    gap: float
-    num_tokens: int
-
-
-class GhostKey(NamedTuple):
-    """Where a prefix starts (its depth, the tokens just before it, its first token) and
-    its first tokens: independent of how the tree happens to split the path into edges."""
-
-    anchor: int
-    head: tuple[int, ...]
-
-
-def ghost_key(before: list[int], start: list[int], depth: int) -> GhostKey:
-    return GhostKey(hash((depth, tuple(before[-GHOST_WINDOW:]), start[0])),
-                    tuple(start[:GHOST_WINDOW]))
-
-
-class GhostHistory:
-    """Statistics of recently dropped prefixes, oldest forgotten first, bounded by the
-    tokens they stood for. A prefix matches a ghost that starts where it starts when the
-    shorter of their first tokens begins the longer (a dropped edge may have been
-    shorter or longer than the leaf that brings it back)."""
-
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self._entries: OrderedDict[GhostKey, Ghost] = OrderedDict()
-        self._heads: dict[int, list[tuple[int, ...]]] = {}
-        self._tokens = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: GhostKey) -> bool:
-        return self._find(key) is not None
-
-    def _find(self, key: GhostKey) -> GhostKey | None:
-        for head in self._heads.get(key.anchor, ()):
-            n = min(len(head), len(key.head))
-            if head[:n] == key.head[:n]:
-                return GhostKey(key.anchor, head)
-        return None
-
-    def remember(self, key: GhostKey, ghost: Ghost) -> None:
-        if key in self._entries:
-            self._forget(key)
-        self._entries[key] = ghost
-        self._heads.setdefault(key.anchor, []).append(key.head)
-        self._tokens += ghost.num_tokens
-        while self._tokens > self.max_tokens and self._entries:
-            self._forget(next(iter(self._entries)))
-
-    def recall(self, key: GhostKey) -> Ghost | None:
-        """The ghost matching ``key``, forgotten as it is read (the prefix is back)."""
-        found = self._find(key)
-        return self._forget(found) if found is not None else None
-
-    def _forget(self, key: GhostKey) -> Ghost:
-        ghost = self._entries.pop(key)
-        heads = self._heads[key.anchor]
-        heads.remove(key.head)
-        if not heads:
-            del self._heads[key.anchor]
-        self._tokens -= ghost.num_tokens
-        return ghost
+    ends_path: bool  # a request's path ended here
+    parent: "NodeStats | None"
 
 
 class EvictionPolicy(ABC):
@@ -196,22 +143,21 @@ class AdaptivePolicy(EvictionPolicy):
     def __init__(self, capacity_tokens: int) -> None:
         self.ghosts = GhostHistory(max(int(capacity_tokens * GHOST_TOKENS_PER_TOKEN), 1))
         self.odds = ReuseOdds(MAX_USE_CLASS)
-        # a prefix's first gap is unknown until it is reused: new leaves are measured
-        # against the typical first gap of all prefixes (its own shape)
-        self.first_gap = 0.0
-        self.first_shape = GapShape()
-        self.repeat_shape = GapShape()
+        # gap models per group of use counts (_group): prefixes used about as often
+        # come back alike (a chat's first turn, its later ones, a hot system prompt)
+        self.gaps = [GapModel() for _ in range(len(GROUP_BOUNDS) + 1)]
+        self.all_gaps = GapModel()  # read by a group that has seen few gaps yet
+        self.mean_tokens = float(capacity_tokens) / 64  # typical tokens of a node observed
 
     # ---------------------------------------------------------------- ranking
     def priority(self, node: NodeStats, now: int, crowded: bool = False) -> float:
         first = node.uses < 2
-        gap = max(self.first_gap if first else node.gap, 1.0)
-        survival, remaining = (self.first_shape if first else self.repeat_shape).tail(
-            (now - node.last_use) / gap)
+        survival, remaining = self._gap_model(node.uses).tail(
+            now - node.last_use, node.gap, _own_count(node.uses))
         p = self.odds.probability(node.uses) * survival
         p = p / (p + 1.0 - self.odds.probability(node.uses))  # not back yet: less likely
         cost = 1.0 + (node.depth + len(node.key) / 2) / ATTENTION_DEPTH
-        density = p * cost / (remaining * gap)
+        density = p * cost / max(remaining, 1e-9)
         return density - PROBATION_RANK if crowded and first else density
 
     # ---------------------------------------------------------------- learning
@@ -227,33 +173,49 @@ class AdaptivePolicy(EvictionPolicy):
     def on_create(self, node: NodeStats, key: GhostKey, now: int) -> None:
         ghost = self.ghosts.recall(key)
         node.last_use = now
-        if ghost is None:
-            node.uses, node.gap = 1, 0.0
+        parent = node.parent
+        if ghost is not None:
+            self.odds.undropped(ghost.uses, ghost.num_tokens / self.mean_tokens)
+            self._reuse(node, ghost.uses, ghost.gap, now - ghost.last_use, ghost.num_tokens)
+        elif parent.ends_path:
+            # the next turn of a conversation: it will be used as often as the turns it
+            # extends (which this request has just used), not once
+            node.uses, node.gap = parent.uses, parent.gap
         else:
-            self._reuse(node, ghost.uses, ghost.gap, now - ghost.last_use)
+            node.uses, node.gap = 1, 0.0
+        node.ends_path = True
 
     def on_drop(self, node: NodeStats, key: GhostKey, now: int) -> None:
-        self.odds.dropped(node.uses)
-        self.ghosts.remember(key, Ghost(node.uses, node.last_use, node.gap, len(node.key)))
+        # the ghosts of the edges below (gone before it) become part of this one
+        below = self.ghosts.absorb(anchor_of(_path_tail(node), node.depth + len(node.key)))
+        ghost = Ghost(node.uses, node.last_use, node.gap, len(node.key) + below)
+        # counted as not reused until it comes back (then it was only evicted too early;
+        # the ghost's tokens include the edges below, each counted when it was dropped)
+        self.odds.dropped(node.uses, len(node.key) / self.mean_tokens)
+        self.ghosts.remember(key, ghost)
 
-    def _reuse(self, node: NodeStats, uses: int, gap: float, observed: int) -> None:
+    def _reuse(self, node: NodeStats, uses: int, gap: float, observed: int,
+               tokens: int | None = None) -> None:
         """``node`` (with ``uses`` uses so far, typical ``gap``) is used again after
-        ``observed`` requests."""
-        if uses < 2:
-            if self.first_gap > 0:
-                self.first_shape.add(observed / self.first_gap)
-            self.first_gap = observed if self.first_gap == 0 else \
-                self.first_gap + FIRST_GAP_SMOOTHING * (observed - self.first_gap)
-            node.gap = observed
-        else:
-            self.repeat_shape.add(observed / max(gap, 1.0))
-            node.gap = _smooth(gap, observed)
-        self.odds.reused(uses)
+        ``observed`` ticks; ``tokens``: what the observation stands for (the node's own
+        by default, a ghost's when the node brings a dropped prefix back)."""
+        weight = self._weight(len(node.key) if tokens is None else tokens)
+        self.gaps[_group(uses)].observe(observed, gap, _own_count(uses), weight)
+        self.all_gaps.observe(observed, gap, _own_count(uses), weight)
+        node.gap = observed if uses < 2 else gap + (observed - gap) / _own_count(uses)
+        self.odds.reused(uses, weight)
         node.uses = uses + 1
 
+    def _gap_model(self, uses: int) -> GapModel:
+        group = self.gaps[_group(uses)]
+        return group if group.seen >= GROUP_SETTLES else self.all_gaps
 
-def _smooth(old: float, new: float) -> float:
-    return old + GAP_SMOOTHING * (new - old)
+    def _weight(self, tokens: int) -> float:
+        """What an observation of ``tokens`` counts for (tokens are what eviction trades),
+        relative to the typical observation so far (so learning speed is the same whatever
+        the lengths)."""
+        self.mean_tokens += TOKENS_SMOOTHING * (tokens - self.mean_tokens)
+        return tokens / self.mean_tokens
 
 
 def make_policy(name: str, capacity_tokens: int) -> EvictionPolicy:
@@ -264,3 +226,25 @@ def make_policy(name: str, capacity_tokens: int) -> EvictionPolicy:
         return AdaptivePolicy(capacity_tokens)
     raise ValueError(f"radix_eviction_policy must be one of {RADIX_EVICTION_POLICIES}, "
                      f"got {name!r}")
+
+
+def _path_tail(node: NodeStats) -> list[int]:
+    """The last ``GHOST_WINDOW`` tokens of the path ending with ``node``'s edge."""
+    parts: list[list[int]] = []
+    total = 0
+    while node.parent is not None and total < GHOST_WINDOW:  # the root has no parent
+        parts.append(node.key)
+        total += len(node.key)
+        node = node.parent
+    return [t for part in reversed(parts) for t in part][-GHOST_WINDOW:]
+
+
+def _group(uses: int) -> int:
+    """The gap model a prefix used ``uses`` times reads (GROUP_BOUNDS)."""
+    return sum(1 for bound in GROUP_BOUNDS if uses >= bound)
+
+
+def _own_count(uses: int) -> int:
+    """Gaps a prefix used ``uses`` times has seen of its own (its mean remembers this
+    many)."""
+    return min(uses - 1, GAP_MEMORY)

@@ -158,8 +158,10 @@ class RadixCache:
         parent.children[token_ids[i]] = leaf
         self.evictable_size += len(leaf.key)
         key = ghost_key(token_ids[:i], leaf.key, i)
-        if self.policy.knows(key):
-            self.use_clock += 1  # a dropped prefix is back: a reuse
+        if parent is self.root and self.policy.knows(key):
+            # a dropped prefix is back: a reuse (below the root, the request's match has
+            # already ticked the clock in record_use)
+            self.use_clock += 1
         self.policy.on_create(leaf, key, self.use_clock)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 class TreeNode:
     __slots__ = ("key", "value", "host", "children", "parent", "lock_ref", "last_access",
-                 "uses", "last_use", "gap", "depth", "loading")
+                 "uses", "last_use", "gap", "depth", "loading", "ends_path")
 
     def __init__(self, key: list[int], value: list[int], parent: "TreeNode | None",
                  last_access: int, depth: int = 0) -> None:
@@ -22,6 +22,9 @@ class TreeNode:
         self.gap = 0.0
         self.depth = depth  # tokens above the edge's first token
         self.loading = 0  # ticket of the HostLoad filling ``value``; 0 when none
+        # a request's path ended here (the policy marks new leaves; the upper part of a
+        # split is not an end): a leaf created below it continues that request
+        self.ends_path = False
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap tie-break
         return self.last_access < other.last_access
