@@ -19,27 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from cache_optimum import optimal_hits  # noqa: E402
 from cache_replay import replay  # noqa: E402
 from cache_traces import multi_turn  # noqa: E402
+from test_eviction_policy import serve  # noqa: E402  (one request through the cache)
 
 
 def make(size: int) -> RadixCache:
     return RadixCache(KVSlotAllocator(size), make_policy("adaptive", size))
-
-
-def serve(cache: RadixCache, tokens: list[int]) -> int:
-    """One request (no output): match, pin, make room, record the use, insert, unpin."""
-    match = cache.match_prefix(tokens[:-1])
-    cache.lock(match.deepest)
-    cached = len(match.kv_indices)
-    short = len(tokens) - cached - cache.slots.available_size()
-    if short > 0:
-        cache.evict(short)
-    cache.record_use(match.deepest)
-    kv = list(match.kv_indices) + cache.slots.alloc(len(tokens) - cached)
-    present = cache.insert(tokens, kv)
-    cache.slots.free(kv[cached:present])
-    cache.unlock(match.deepest)
-    cache.check_integrity()
-    return cached
 
 
 def leaf_of(cache: RadixCache, tokens: list[int]):
