@@ -137,10 +137,11 @@ def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.
     engine = StandInEngine(step_s, tokens)
     loop = EngineLoop(engine, idle_wait_s=0.005, cancel_poll_s=0.1, sender_threads=senders)
     loop.start()
-    job = wire.parse_request({wire.INPUT_IDS: np.arange(32, dtype=np.int32),
+    job = wire.parse_request({wire.INPUT_IDS: np.arange(32, dtype=np.int64),
                               wire.STREAM: np.array([True]),
                               wire.SAMPLING_PARAMETERS: np.array(
-                                  [f'{{"max_tokens": {tokens}}}'.encode()], dtype=object)}, {})
+                                  [f'{{"max_tokens": {tokens}}}'.encode()], dtype=object)}, {},
+                             requested=CountingSink.wanted)
     sinks = [CountingSink(send_s, cpu_s) for _ in range(batch)]
     t0 = time.perf_counter()
     for sink in sinks:
