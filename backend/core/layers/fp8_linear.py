@@ -157,11 +157,7 @@ def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> 
     one layer); returns how many were replaced."""
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in keep]
-    for name in names:  # names only: no reference keeps a replaced layer alive
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear.from_linear(parent.get_submodule(child)))
-    return len(names)
+    return _replace(model, names, Fp8Linear.from_linear)
 
 
 def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
@@ -170,16 +166,25 @@ def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
     computed by torch, exact in a float32 model, the reference the FP8 matrix-vector
     kernels are checked against and whose quality ``tools/fp8_quality.py`` measures.
     Returns how many were replaced."""
-    names = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        fp8 = parent.get_submodule(child)
+    def to_linear(fp8: Fp8Linear) -> nn.Linear:
         linear = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None,
                            device=fp8.weight.device, dtype=dtype)
         with torch.no_grad():
             linear.weight.copy_(fp8.dequantized(dtype))
             if fp8.bias is not None:
                 linear.bias.copy_(fp8.bias)
-        setattr(parent, child, linear)
+        return linear
+
+    names = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
+    return _replace(model, names, to_linear)
+
+
+def _replace(model: nn.Module, names: list[str], make) -> int:
+    """Swap each named submodule for ``make(submodule)``, one at a time (names only: no
+    reference keeps a replaced layer alive, so the peak memory is the model plus one
+    layer); returns how many were replaced."""
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make(parent.get_submodule(child)))
     return len(names)
