@@ -19,6 +19,11 @@ import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
 
+# A streamed response's finish_reason while its request runs (backend/wire_outputs.py)
+NOT_FINISHED = "None"
+# Optional outputs are sent only when asked: the soak checks reasons and token counts
+RETURNED = ("return_finish_reason", "return_num_output_tokens")
+
 MODEL = "llm"
 HANG_S = 300.0
 TRANSPORTS = ("grpc_stream", "grpc_whole", "http_whole", "http_stream")
@@ -93,6 +98,7 @@ def _grpc_inputs(spec: Spec) -> list:
               tensor("stream", np.array([stream]), "BOOL"),
               tensor("sampling_parameters", np.array([spec.params.encode()], dtype=np.object_),
                      "BYTES")]
+    inputs += [tensor(name, np.array([True]), "BOOL") for name in RETURNED]
     if spec.choices is not None:
         inputs.append(tensor("choices", np.array([spec.choices.encode()], dtype=np.object_),
                              "BYTES"))
@@ -136,8 +142,8 @@ class Clients:
                     return Result(spec, "error", str(error))
                 response = result.get_response()
                 names = {o.name for o in response.outputs}
-                if "num_output_tokens" in names:
-                    tokens = int(result.as_numpy("num_output_tokens")[0])
+                if "num_output_tokens" in names:  # this response's tokens when streamed
+                    tokens += int(result.as_numpy("num_output_tokens")[0])
                 if response.parameters["triton_final_response"].bool_param:
                     reason = result.as_numpy("finish_reason")[0].decode() \
                         if "finish_reason" in names else ""
@@ -146,7 +152,8 @@ class Clients:
             self.grpc.stop_stream(cancel_requests=True)
 
     def _body(self, spec: Spec, stream: bool) -> dict:
-        body = {"text_input": spec.prompt, "sampling_parameters": spec.params}
+        body = {"text_input": spec.prompt, "sampling_parameters": spec.params,
+                **{name: True for name in RETURNED}}
         if spec.choices is not None:
             body["choices"] = spec.choices
         if stream:
@@ -168,6 +175,7 @@ class Clients:
                       tokens if isinstance(tokens, int) else sum(tokens))
 
     def _http_stream(self, spec: Spec) -> Result:
+        tokens = 0
         try:
             with self.session.post(f"http://{self.http_url}/v2/models/{MODEL}/generate_stream",
                                    json=self._body(spec, True), stream=True,
@@ -180,9 +188,9 @@ class Clients:
                         return Result(spec, "error", event["error"])
                     if spec.fate == "cancel":
                         return Result(spec, "left")  # closes the connection
-                    if event.get("finish_reason"):
-                        return Result(spec, "final", event["finish_reason"],
-                                      int(event.get("num_output_tokens", 0)))
+                    tokens += int(event.get("num_output_tokens", 0))  # this event's
+                    if event.get("finish_reason", NOT_FINISHED) != NOT_FINISHED:
+                        return Result(spec, "final", event["finish_reason"], tokens)
             return Result(spec, "error", "the stream ended without a final response")
         except requests.Timeout:
             return Result(spec, "hang")

@@ -34,3 +34,45 @@ def test_the_input_ids_data_has_the_numpy_type_of_that_wire_type():
     assert data.dtype == NUMPY_OF_WIRE_TYPE[bench_triton.INPUT_IDS_DATATYPE]
     assert data.tolist() == [128000, 9906, 31999]
     assert data.shape == (3,)
+
+
+# -- reading the streamed responses (the contract of backend/wire_outputs.py)
+from backend import wire_outputs  # noqa: E402
+
+WANTED = frozenset({wire.OUTPUT_IDS, wire.FINISH_REASON, wire.NUM_CACHED_TOKENS})
+
+
+def response(token_ids: list[int], finish_reason: str | None, cached: int = 0):
+    sample = wire_outputs.SampleOutput(0, "", token_ids, finish_reason, len(token_ids),
+                                       num_cached_tokens=cached)
+    tensors = wire_outputs.generation_outputs([sample], outputs=WANTED, num_input_tokens=4,
+                                              context_ids=[])
+    return tensors.get
+
+
+def new_record() -> dict:
+    return {"first": None, "end": None, "n_out": 0, "cached": 0}
+
+
+def test_a_running_request_says_None_and_is_not_taken_for_finished():
+    rec = new_record()
+    assert bench_triton.tally_response(rec, response([11], None), t=0.5) is False
+    assert rec["end"] is None and rec["n_out"] == 1 and rec["first"] == 0.5
+
+
+def test_tokens_are_summed_over_the_responses_up_to_the_final_one():
+    rec = new_record()
+    stream = [([11, 12], None, 0.1), ([13], None, 0.2), ([14, 15, 16], "length", 0.3)]
+    finished = [bench_triton.tally_response(rec, response(ids, reason, cached=3), t)
+                for ids, reason, t in stream]
+    assert finished == [False, False, True]
+    assert rec["n_out"] == 6
+    assert (rec["first"], rec["end"]) == (0.1, 0.3)
+    assert rec["finish_reason"] == "length" and rec["cached"] == 3
+
+
+def test_an_empty_final_response_ends_the_request():
+    rec = new_record()
+    bench_triton.tally_response(rec, response([7], None), t=0.1)
+    assert bench_triton.tally_response(rec, response([], "stop"), t=0.2) is True
+    assert rec["n_out"] == 1 and rec["end"] == 0.2

@@ -64,6 +64,34 @@ def input_ids_array(prompt: list[int]):
     return np.asarray(prompt, dtype=np.int64)
 
 
+# What a streamed response says (backend/wire_outputs.py): finish_reason is the string
+# "None" while the request runs, and num_output_tokens and output_ids count this
+# response's tokens only. The final response is the one with a real finish reason.
+NOT_FINISHED = "None"
+
+
+def tally_response(rec: dict, as_numpy, t: float) -> bool:
+    """Add one response (``as_numpy(name)`` reads a tensor) received at ``t`` to the
+    request's record; True when it was the request's last."""
+    ids = as_numpy("output_ids")
+    k = 0 if ids is None else int(ids.size)
+    if k:
+        rec["n_out"] += k
+        if rec["first"] is None:
+            rec["first"] = t
+    cached = as_numpy("num_cached_tokens")
+    if cached is not None and cached.size:
+        rec["cached"] = int(cached.reshape(-1)[0])
+    fr = as_numpy("finish_reason")
+    reason = fr.reshape(-1)[0] if fr is not None and fr.size else b""
+    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+    if not reason or reason == NOT_FINISHED:
+        return False
+    rec["end"] = t
+    rec["finish_reason"] = reason
+    return True
+
+
 # ----------------------------------------------------------------------------- server
 def engine_fields() -> set[str]:
     """The model parameters config.pbtxt may set: EngineConfig's field names and the
@@ -239,7 +267,7 @@ async def _client_async(url, items, t0, n_out, timeout_s, id_prefix):
     await client.is_server_live()  # the channel connects on its first call
     connect_ms = (time.time() - started) * 1e3
     wanted = [grpcclient.InferRequestedOutput(n) for n in
-              ("output_ids", "finish_reason", "num_output_tokens", "num_cached_tokens")]
+              ("output_ids", "finish_reason", "num_cached_tokens")]
 
     async def one(idx, arrival, prompt):
         rec = {"idx": idx, "arrival": arrival, "first": None, "end": None, "n_out": 0,
@@ -265,24 +293,7 @@ async def _client_async(url, items, t0, n_out, timeout_s, id_prefix):
                 if error is not None:
                     rec["error"] = str(error)[:300]
                     break
-                ids = result.as_numpy("output_ids")
-                k = 0 if ids is None else int(ids.size)
-                if k:
-                    rec["n_out"] += k
-                    if rec["first"] is None:
-                        rec["first"] = t
-                fr = result.as_numpy("finish_reason")
-                reason = fr.reshape(-1)[0] if fr is not None and fr.size else b""
-                if reason:
-                    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
-                    no = result.as_numpy("num_output_tokens")
-                    if no is not None and no.size:
-                        rec["n_out"] = int(no.reshape(-1)[0])
-                    nc = result.as_numpy("num_cached_tokens")
-                    if nc is not None and nc.size:
-                        rec["cached"] = int(nc.reshape(-1)[0])
-                    rec["end"] = t
-                    rec["finish_reason"] = reason
+                if tally_response(rec, result.as_numpy, t):
                     break
             if rec["end"] is None and "error" not in rec:
                 rec["error"] = "stream ended without a final response"
