@@ -103,9 +103,11 @@ REPORT_CUSTOM_METRICS = "REPORT_CUSTOM_METRICS"
 
 
 def vllm_metrics_wanted(parameters: Mapping[str, str]) -> bool:
-    """Whether to publish the vllm:* series next to ours (docs/metrics.md)."""
+    """Whether to publish the vllm:* series next to ours (docs/metrics.md). Off unless
+    asked, as in the vLLM backend, and for its reason: they observe every generated
+    token, and every observation is an IPC round trip from the stub to the server."""
     return _convert(REPORT_CUSTOM_METRICS, "bool",
-                    parameters.get(REPORT_CUSTOM_METRICS, "true"))
+                    parameters.get(REPORT_CUSTOM_METRICS, "false"))
 
 
 def instances_on_device(model_config: Mapping[str, Any], kind: str, device_id: int) -> int:

@@ -76,3 +76,12 @@ def test_an_empty_final_response_ends_the_request():
     bench_triton.tally_response(rec, response([7], None), t=0.1)
     assert bench_triton.tally_response(rec, response([], "stop"), t=0.2) is True
     assert rec["n_out"] == 1 and rec["end"] == 0.2
+
+
+def test_the_benchmark_passes_on_the_serving_parameters_the_model_reads():
+    """make_repository drops parameters it does not know; the serving layer's own
+    (backend/model_config.py) must survive, or a benchmark row silently measures the
+    default instead."""
+    known = bench_triton.engine_fields()
+    assert {"engine_process", "request_timeout_s", "REPORT_CUSTOM_METRICS"} <= known
+    assert {"max_running_requests", "enable_overlap", "quantization"} <= known

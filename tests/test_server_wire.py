@@ -238,8 +238,9 @@ def test_a_scoring_request_may_have_an_empty_prompt_and_the_generate_id_is_not_a
     assert parse({"id": "42", "max_tokens": 3}, text_input=text("a")).params.max_new_tokens == 3
 
 
-def test_the_vllm_report_custom_metrics_switch():
-    assert model_config.vllm_metrics_wanted({}) is True
+def test_the_vllm_series_are_off_unless_report_custom_metrics_asks_for_them():
+    assert model_config.vllm_metrics_wanted({}) is False
+    assert model_config.vllm_metrics_wanted({"REPORT_CUSTOM_METRICS": "true"}) is True
     assert model_config.vllm_metrics_wanted({"REPORT_CUSTOM_METRICS": "false"}) is False
 
 

@@ -1,13 +1,13 @@
 """Port of the vLLM backend's ci/L0_backend_vllm/metrics_test/vllm_metrics_test.py.
 
 Upstream reads the vllm:* series of a fresh server after two rounds of three greedy
-requests and checks exact counts (OPT's prompts are 6 tokens, its answers 16). Here
-the session's server has served other tests before, so each check is on the change
-across the rounds, and the counts are our tokenizer's and our engine's (computed with
-the in-process reference engine). The switch that turns the series off is the vLLM
-backend's own model parameter, REPORT_CUSTOM_METRICS, and a server started with
---allow-metrics=false refuses the scrape, as upstream's last two tests check; both run
-on small servers of their own.
+requests and checks exact counts (OPT's prompts are 6 tokens, its answers 16). Here the
+counts are our tokenizer's and our engine's (computed with the in-process reference
+engine), and each check is on the change across the rounds. The series are off by
+default, as upstream; the vLLM backend's own model parameter, REPORT_CUSTOM_METRICS,
+turns them on, as upstream's test does. A server started with --allow-metrics=false
+refuses the scrape, as upstream's last two tests check. Each case runs on a small server
+of its own.
 """
 from __future__ import annotations
 
@@ -61,10 +61,21 @@ def vllm_infer(server, prompts, sampling_parameters, model_name="llm"):
     client.close()
 
 
-def test_vllm_metrics(triton_server, reference_engine):
-    before = parse_vllm_metrics(triton_server.metrics_url)
-    vllm_infer(triton_server, PROMPTS, SAMPLING_PARAMETERS)
-    after = parse_vllm_metrics(triton_server.metrics_url)  # read right after the last answer
+@pytest.fixture(scope="module")
+def metrics_server(tmp_path_factory):
+    """The llm model with the vllm:* series turned on, as upstream's test configures it
+    (they are off by default, as in the vLLM backend)."""
+    server = _llm_only_server(tmp_path_factory, "metrics_on", metrics_parameter="true")
+    try:
+        yield server
+    finally:
+        _stop(server.process)
+
+
+def test_vllm_metrics(metrics_server, reference_engine):
+    before = parse_vllm_metrics(metrics_server.metrics_url)
+    vllm_infer(metrics_server, PROMPTS, SAMPLING_PARAMETERS)
+    after = parse_vllm_metrics(metrics_server.metrics_url)  # read right after the last answer
 
     def delta(name):
         return after[name] - before.get(name, 0)
@@ -89,12 +100,12 @@ def test_vllm_metrics(triton_server, reference_engine):
     assert delta("vllm:request_generation_tokens_sum") == generated * INFERENCE_COUNT
 
 
-def test_custom_sampling_params(triton_server):
+def test_custom_sampling_params(metrics_server):
     n, temperature = 2, 1
     custom_sampling_parameters = SAMPLING_PARAMETERS.copy()
     custom_sampling_parameters.update({"n": str(n), "temperature": str(temperature)})
-    vllm_infer(triton_server, PROMPTS, custom_sampling_parameters)
-    metrics_dict = parse_vllm_metrics(triton_server.metrics_url)
+    vllm_infer(metrics_server, PROMPTS, custom_sampling_parameters)
+    metrics_dict = parse_vllm_metrics(metrics_server.metrics_url)
     assert "vllm:request_params_n_count" in metrics_dict
     assert "vllm:request_params_n_sum" in metrics_dict
     assert "vllm:request_params_n_bucket" in metrics_dict
@@ -111,8 +122,8 @@ def _llm_only_server(tmp_path_factory, name, extra_args=(), metrics_parameter=No
                         (f"--model-repository={repo}", *extra_args))
 
 
-def test_vllm_metrics_disabled(tmp_path_factory):
-    server = _llm_only_server(tmp_path_factory, "metrics_off", metrics_parameter="false")
+def test_vllm_metrics_are_off_by_default(tmp_path_factory):
+    server = _llm_only_server(tmp_path_factory, "metrics_off")
     try:
         vllm_infer(server, PROMPTS, SAMPLING_PARAMETERS)
         metrics_dict = parse_vllm_metrics(server.metrics_url)

@@ -95,16 +95,19 @@ def tally_response(rec: dict, as_numpy, t: float) -> bool:
 # ----------------------------------------------------------------------------- server
 def engine_fields() -> set[str]:
     """The model parameters config.pbtxt may set: EngineConfig's field names and the
-    serving layer's own (backend/wire.py), read from the source (no torch import here)."""
+    serving layer's own (backend/model_config.py), read from the source (no torch import
+    here)."""
     names: set[str] = set()
     tree = ast.parse((C.REPO / "backend/core/config.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "EngineConfig":
             names |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
-    for node in ast.parse((C.REPO / "backend/wire.py").read_text()).body:
+    for node in ast.parse((C.REPO / "backend/model_config.py").read_text()).body:
         if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and getattr(node.targets[0], "id", None) == "SERVING_PARAMETERS"):
-            names |= set(ast.literal_eval(node.value))
+                and getattr(node.targets[0], "id", None) in ("SERVING_PARAMETERS",
+                                                             "REPORT_CUSTOM_METRICS")):
+            value = ast.literal_eval(node.value)
+            names |= {value} if isinstance(value, str) else set(value)
     return names
 
 
