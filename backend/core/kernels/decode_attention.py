@@ -206,8 +206,9 @@ def _decode_stage2(
     for g in tl.static_range(GROUP):
         h = kv_head * GROUP + g
         ws_row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
-        # unused lanes read -inf: weight exactly 0 next to the used splits' max (weight 1)
-        lse = tl.load(WorkLse + ws_row, mask=s_mask, other=float("-inf"))
+        # unused lanes read NEG_FLOOR: weight exactly 0 next to the used splits' max
+        # (weight 1); a one-pass row (no lane used) computes a 0 it does not store
+        lse = tl.load(WorkLse + ws_row, mask=s_mask, other=NEG_FLOOR)
         w = tl.exp2(lse - tl.max(lse, 0))
         acc = tl.load(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
