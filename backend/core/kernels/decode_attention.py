@@ -188,14 +188,13 @@ def _decode_stage1(
 @triton.jit
 def _decode_stage2(
     WorkAcc, WorkLse, O, SeqLens, min_split_len, stride_ob, stride_oh,
-    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """One program per (request, kv head): merges the used splits of its GROUP heads;
-    returns without a memory access for a one-pass row (stage 1 wrote it)."""
+    """One program per (request, head), for latency at small batch: merges the row's
+    used splits; a one-pass row (stage 1 wrote it) costs it one load of seq_len."""
     b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    h = tl.program_id(1)
     _, _, n_kv, chunk = _row_chunk(SeqLens, b, min_split_len, WINDOW, NUM_SPLITS, BLOCK_N)
     # used splits (each with l >= 1, a finite lse); none for a one-pass row
     used = tl.where(n_kv > chunk, tl.cdiv(n_kv, tl.maximum(chunk, 1)), 0)
@@ -203,18 +202,15 @@ def _decode_stage2(
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < used
     d_mask = offs_d < tl.where(used > 0, HEAD_DIM, 0)
-    for g in tl.static_range(GROUP):
-        h = kv_head * GROUP + g
-        ws_row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
-        # unused lanes read NEG_FLOOR: weight exactly 0 next to the used splits' max
-        # (weight 1); a one-pass row (no lane used) computes a 0 it does not store
-        lse = tl.load(WorkLse + ws_row, mask=s_mask, other=NEG_FLOOR)
-        w = tl.exp2(lse - tl.max(lse, 0))
-        acc = tl.load(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-        out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
-        tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty),
-                 mask=d_mask)
+    ws_row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    # unused lanes read NEG_FLOOR: weight exactly 0 next to the used splits' max
+    # (weight 1); a one-pass row (no lane used) computes a 0 it does not store
+    lse = tl.load(WorkLse + ws_row, mask=s_mask, other=NEG_FLOOR)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    acc = tl.load(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
 class DecodeTiles(NamedTuple):
@@ -334,9 +330,9 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_kv_splits > 1:
-        _decode_stage2[(batch, num_kv_heads)](
+        _decode_stage2[(batch, num_heads)](
             work_acc, work_lse, o, seq_lens, min_split_len, o.stride(0), o.stride(1),
-            GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
             BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_N=tiles.block_n,
             BLOCK_D=block_d, WINDOW=window, num_warps=4,
         )
