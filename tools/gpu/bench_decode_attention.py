@@ -51,7 +51,10 @@ CONTEXTS = (64, 160, 250, 1024, 4096)
 CALLS_PER_GRAPH = 32
 L2_SPAN = 512 * 2**20  # KV bytes a graph cycles over, at least (H200 L2: 50 MiB)
 SCALE = D ** -0.5
-SWEEP_CASES = ("B=128 ctx=250", "B=128 ctx=33..250", "B=128 ctx=1024")
+# --sweep: split layouts for these cases, and stage-1 tiles (one split) for the first two
+SWEEP_CASES = ("B=128 ctx=250", "B=128 ctx=33..250", "B=128 ctx=1024", "B=32 ctx=250",
+               "B=1 ctx=250")
+SWEEP_LAYOUTS = ((1, 0), (2, 0), (4, 0), (8, 0), (4, 256), (4, 512))
 
 
 class Case:
@@ -183,12 +186,13 @@ def run_case(case: Case) -> dict:
 
 
 def sweep(case: Case) -> list[dict]:
-    """The batch-128 case over stage-1 tiles (one split) and over split layouts."""
+    """One case over split layouts and (the first two SWEEP_CASES) one-split tiles."""
     rows = []
     out = torch.empty_like(case.q)
-    options = [(SplitLayout(1, 0), DecodeTiles(n, w, s))
-               for n, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
-    options += [(SplitLayout(s, m), None) for s, m in ((2, 0), (4, 0), (4, 256), (4, 512))]
+    options = [(SplitLayout(s, m), None) for s, m in SWEEP_LAYOUTS]
+    if case.name in SWEEP_CASES[:2]:
+        options += [(SplitLayout(1, 0), DecodeTiles(n, w, s))
+                    for n, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
     for layout, tiles in options:
         try:
             us = time_us(case, case.new_call(out, layout, tiles))
@@ -198,8 +202,9 @@ def sweep(case: Case) -> list[dict]:
         rows.append(dict(case=case.name, splits=layout.num_kv_splits,
                          min_split_len=layout.min_split_len,
                          tiles=list(tiles) if tiles else "default", us=round(us, 2)))
+        tile_tag = "/".join(map(str, tiles)) if tiles else "default"
         print(f"  {case.name:<24} splits {layout.num_kv_splits} min {layout.min_split_len:>4} "
-              f"tiles {tuple(tiles) if tiles else 'default':<14} {us:>8.1f} us", flush=True)
+              f"tiles {tile_tag:<10} {us:>8.1f} us", flush=True)
     return rows
 
 
