@@ -55,13 +55,14 @@ def _cast_matches(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got == want) | carry | subnormal
 
 
-def _case_attention(prefix_lens, ext_lens, h, d, seed, outlier=False, tol=1e-4):
+def _case_attention(prefix_lens, ext_lens, h, d, seed, outlier=False, tol=1e-4,
+                    min_split_len=None):
     from backend.core.layers.attention import TorchAttention
     from backend.core.layers.triton_attention import TritonAttention, _Scoring
     (ref_pool, tri_pool), r2t, batch, q, k, v = _pools(prefix_lens, ext_lens, h, d, seed, outlier)
     scale = 0.7 / d ** 0.5
     ref = TorchAttention(ref_pool, r2t).forward(q, k, v, 0, batch, scale)
-    backend = TritonAttention(tri_pool, r2t, num_heads=h)
+    backend = TritonAttention(tri_pool, r2t, num_heads=h, min_split_len=min_split_len)
     backend.prepare(batch)
     out = backend.forward(q, k, v, 0, batch, scale)
     _same_store(tri_pool.k_buffer[0], ref_pool.k_buffer[0])
@@ -88,7 +89,7 @@ def _unit(pool):
     return other
 
 
-def _case_decode_rope(d, splits):
+def _case_decode_rope(d, splits, min_split_len=0):
     """The decode kernel's own rotary + float8 store + attention == rotary, the torch
     store and the torch reference."""
     from types import SimpleNamespace
@@ -104,7 +105,8 @@ def _case_decode_rope(d, splits):
     decode_attention(q, out, pool.k_buffer[0], pool.v_buffer[0], r2t, batch.req_pool_indices,
                      batch.seq_lens, 0.1, splits, workspace=ws,
                      rope=DecodeRope(k, v, batch.positions, rot.cos, rot.sin, batch.out_cache_loc),
-                     k_scale=pool.k_scale[0], v_scale=pool.v_scale[0])
+                     k_scale=pool.k_scale[0], v_scale=pool.v_scale[0],
+                     min_split_len=min_split_len)
     _same_store(pool.k_buffer[0], ref_pool.k_buffer[0])
     _same_store(pool.v_buffer[0], ref_pool.v_buffer[0])
     assert (out - ref).abs().max().item() < 0.05  # the interpreter's cast faults, above
@@ -138,6 +140,11 @@ CASES = {
     "decode-fp8-gqa4": (_case_attention, dict(prefix_lens=[9, 60], ext_lens=[1, 1], h=8, d=80,
                                               seed=4)),
     "decode-rope-fp8": (_case_decode_rope, dict(d=64, splits=8)),
+    # one-pass rows (only the 300-row splits) and a single split (no workspace)
+    "decode-fp8-one-pass": (_case_attention, dict(prefix_lens=[0, 2, 44, 299], ext_lens=[1] * 4,
+                                                  h=4, d=64, seed=5, min_split_len=64)),
+    "decode-rope-fp8-one-pass": (_case_decode_rope, dict(d=64, splits=8, min_split_len=64)),
+    "decode-rope-fp8-splits1": (_case_decode_rope, dict(d=64, splits=1)),
     "per-token-quant": (_case_per_token_quant, {}),
 }
 

@@ -53,8 +53,9 @@ def _setup(prefix_lens, ext_lens, num_heads, num_kv_heads, head_dim, seed,
 
 
 def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.float32,
-             window=0, softcap=0.0):
-    """TritonAttention.forward == TorchAttention.forward, outputs and pool contents."""
+             window=0, softcap=0.0, min_split_len=None):
+    """TritonAttention.forward == TorchAttention.forward, outputs and pool contents
+    (``min_split_len``: the backend's decode rows split only past it)."""
     from backend.core.layers.attention import TorchAttention
     from backend.core.layers.triton_attention import TritonAttention
     (ref_pool, tri_pool), r2t, batch, q, k, v = _setup(prefix_lens, ext_lens, h, kvh, d, seed,
@@ -64,7 +65,7 @@ def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.f
     ref = TorchAttention(ref_pool, r2t).forward(q, k, v, 0, batch, scale, **options)
     if window or softcap:
         _check_reference(ref, q, ref_pool, r2t, batch, scale, tol=tol, **options)
-    backend = TritonAttention(tri_pool, r2t, num_heads=h)
+    backend = TritonAttention(tri_pool, r2t, num_heads=h, min_split_len=min_split_len)
     backend.prepare(batch)
     out = backend.forward(q, k, v, 0, batch, scale, **options)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -76,6 +77,8 @@ def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.f
     assert torch.equal(tri_pool.v_buffer[0], ref_pool.v_buffer[0])
     if batch.is_decode:
         assert backend.num_kv_splits(batch.batch_size) == 8  # CPU default
+        layout = backend.split_layout(batch.batch_size, batch.max_seq_len)
+        assert layout.min_split_len == (min_split_len or 0)
         assert max(batch.seq_lens_cpu) > 8 > min(batch.seq_lens_cpu)
 
 
@@ -105,9 +108,11 @@ def _check_reference(out, q, pool, r2t, batch, scale, window, softcap, tol):
             row += 1
 
 
-def _decode_direct(splits, seq_lens_override=None):
-    """decode_attention called directly with a given split count and a NaN-filled workspace
-    (every element it reads must have been written this call)."""
+def _decode_direct(splits, seq_lens_override=None, min_split_len=0):
+    """decode_attention called directly with a given split layout and a NaN-filled
+    workspace (every element it reads must have been written this call): (out, torch
+    reference, workspace after the call). Rows of 1, 7 and 91 positions; fp32 KV tiles
+    are 32 positions."""
     from backend.core.kernels import decode_attention, decode_workspace_numel
     from backend.core.layers.attention import TorchAttention
     (pool, _), r2t, batch, q, k, v = _setup([0, 6, 90], [1, 1, 1], 4, 2, 64, seed=splits)
@@ -116,18 +121,49 @@ def _decode_direct(splits, seq_lens_override=None):
     out = torch.full_like(q, float("nan"))
     ws = torch.full((decode_workspace_numel(3, 4, 64, splits),), float("nan"))
     decode_attention(q, out, pool.k_buffer[0], pool.v_buffer[0], r2t, batch.req_pool_indices,
-                     seq_lens, 0.125, splits, workspace=ws)
-    return out, ref
+                     seq_lens, 0.125, splits, workspace=ws, min_split_len=min_split_len)
+    return out, ref, ws
 
 
-def _case_decode_splits(splits):
-    out, ref = _decode_direct(splits)
+def _case_decode_splits(splits, min_split_len=0):
+    out, ref, _ = _decode_direct(splits, min_split_len=min_split_len)
     assert (out - ref).abs().max().item() < FP32_TOL
 
 
-def _case_decode_padding_row():
+def _case_decode_one_pass_all():
+    # min_split_len past every row: each row is one pass, written by its split 0; the
+    # workspace is never touched (still all NaN) and the merge reads none of it
+    out, ref, ws = _decode_direct(4, min_split_len=100)  # 100 -> 128: holds the 91-row
+    assert (out - ref).abs().max().item() < FP32_TOL
+    assert ws.numel() > 0 and torch.isnan(ws).all()
+
+
+def _case_decode_one_pass_mixed():
+    # min_split_len 64 over 4 splits: rows 1 and 7 run in one pass, the 91-row splits in
+    # two 64-position chunks, and only those two go through the workspace
+    out, ref, ws = _decode_direct(4, min_split_len=64)
+    assert (out - ref).abs().max().item() < FP32_TOL
+    written = (~torch.isnan(ws)).sum().item()
+    # row 2's 4 heads x 2 used splits x (64 acc + 1 lse): nothing for rows 0 and 1
+    assert written == 4 * 2 * (64 + 1)
+
+
+def _case_decode_single_split_no_workspace():
+    # one split: no workspace at all (numel 0), every row one pass, no second launch
+    from backend.core.kernels import decode_attention, decode_workspace_numel
+    from backend.core.layers.attention import TorchAttention
+    assert decode_workspace_numel(3, 4, 64, 1) == 0
+    (pool, _), r2t, batch, q, k, v = _setup([0, 6, 90], [1, 1, 1], 4, 2, 64, seed=21)
+    ref = TorchAttention(pool, r2t).forward(q, k, v, 0, batch, 0.125)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, out, pool.k_buffer[0], pool.v_buffer[0], r2t, batch.req_pool_indices,
+                     batch.seq_lens, 0.125, 1)
+    assert (out - ref).abs().max().item() < FP32_TOL
+
+
+def _case_decode_padding_row(splits=4, min_split_len=0):
     # seq_len 0 (a CUDA-graph padding row) gives exactly 0, not NaN; others unaffected
-    out, ref = _decode_direct(4, seq_lens_override=[1, 0, 91])
+    out, ref, _ = _decode_direct(splits, seq_lens_override=[1, 0, 91], min_split_len=min_split_len)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert (out[2] - ref[2]).abs().max().item() < FP32_TOL
     assert torch.isfinite(out).all()
@@ -150,7 +186,8 @@ def _case_store_kv_strided_cast():
     assert k_buf[untouched].abs().sum().item() == 0 and v_buf[untouched].abs().sum().item() == 0
 
 
-def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL, window=0):
+def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL, window=0,
+                      min_split_len=0):
     """decode_attention with ``rope`` == the layer's rotation, the pool store and the
     plain decode kernel: same output, same pool, q and k left as they were; a padding
     row (seq_len 0) writes nothing."""
@@ -174,7 +211,8 @@ def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL, wind
     ws = torch.full((decode_workspace_numel(6, h, d, splits),), float("nan"))
     rope = DecodeRope(k, v, batch.positions, rot.cos, rot.sin, batch.out_cache_loc)
     decode_attention(q, out, pool.k_buffer[0], pool.v_buffer[0], r2t, batch.req_pool_indices,
-                     seq_lens, 0.1, splits, workspace=ws, rope=rope, window=window)
+                     seq_lens, 0.1, splits, workspace=ws, rope=rope, window=window,
+                     min_split_len=min_split_len)
     err = (out[:-1].float() - ref[:-1].float()).abs().max().item()
     assert err < tol, f"max abs error {err}"
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
@@ -208,13 +246,27 @@ for _d in (96, 128):
                                                   seed=_d, dtype=torch.float16, tol=2e-3))
     CASES[f"decode-fp16-d{_d}"] = (_compare, dict(prefix_lens=[3, 30], ext_lens=[1, 1], h=4, kvh=2, d=_d,
                                                   seed=_d, dtype=torch.float16, tol=2e-3))
-for _s in (1, 3, 16):
+for _s in (1, 3, 16, 32):
     CASES[f"decode-splits{_s}"] = (_case_decode_splits, dict(splits=_s))
 CASES["decode-padding-row"] = (_case_decode_padding_row, {})
+# one-pass rows (min_split_len): all rows, a mix with a split row, one split without a
+# workspace, a padding row among them, a short minimum over many splits
+CASES["decode-one-pass-all"] = (_case_decode_one_pass_all, {})
+CASES["decode-one-pass-mixed"] = (_case_decode_one_pass_mixed, {})
+CASES["decode-single-split-no-workspace"] = (_case_decode_single_split_no_workspace, {})
+CASES["decode-one-pass-padding-row"] = (_case_decode_padding_row, dict(splits=8, min_split_len=64))
+CASES["decode-splits32-min40"] = (_case_decode_splits, dict(splits=32, min_split_len=40))
+CASES["decode-one-pass-backend"] = (_compare, dict(DECODE, h=4, kvh=2, d=64, seed=8, min_split_len=64))
+CASES["decode-one-pass-fp16"] = (_compare, dict(prefix_lens=[3, 30, 150], ext_lens=[1, 1, 1], h=4,
+                                                kvh=2, d=128, seed=9, dtype=torch.float16,
+                                                tol=2e-3, min_split_len=64))
 # the split holding the new token: the last of 8 (long rows), an early one (short rows)
 for _h, _kvh, _d in HEADS:
     CASES[f"decode-rope-h{_h}-kvh{_kvh}-d{_d}"] = (_case_decode_rope, dict(h=_h, kvh=_kvh, d=_d, splits=8))
 CASES["decode-rope-splits1"] = (_case_decode_rope, dict(h=4, kvh=2, d=64, splits=1))
+# one pass: the 300-row splits in 64-position chunks, the others (the 64-row too) do not
+CASES["decode-rope-one-pass"] = (_case_decode_rope, dict(h=4, kvh=1, d=64, splits=8,
+                                                         min_split_len=64))
 CASES["decode-rope-fp16"] = (_case_decode_rope, dict(h=4, kvh=2, d=128, splits=4,
                                                      dtype=torch.float16, tol=2e-3))
 CASES["store-kv-strided-cast"] = (_case_store_kv_strided_cast, {})
@@ -232,6 +284,15 @@ for _w in (1, 7, 100):
 CASES["extend-softcap"] = (_compare, dict(EXTEND, h=4, kvh=2, d=64, seed=5, softcap=2.0))
 CASES["decode-softcap-window"] = (_compare, dict(DECODE, h=4, kvh=2, d=64, seed=6, softcap=2.0,
                                                  window=9))
+# one pass under a window: rows whose window fits one chunk, and the 300-row whose 100
+# visible positions split in two
+CASES["decode-window100-one-pass"] = (_compare, dict(DECODE, h=4, kvh=2, d=64, seed=10, window=100,
+                                                     min_split_len=64))
+CASES["decode-softcap-one-pass"] = (_compare, dict(DECODE, h=4, kvh=2, d=64, seed=11, softcap=2.0,
+                                                   min_split_len=64))
+for _w in (7, 100):
+    CASES[f"decode-rope-window{_w}-one-pass"] = (_case_decode_rope, dict(
+        h=4, kvh=2, d=64, splits=8, window=_w, min_split_len=64))
 
 
 def _worker() -> None:

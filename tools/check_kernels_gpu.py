@@ -221,14 +221,16 @@ def time_decode(s: Setup, batch_size, ctx, splits_list):
     torch_ms = bench(lambda: TorchAttention(s.pool, s.r2t.req_to_token).forward(q, k, v, 0, b, 0.1),
                      iters=5, warmup=1)
     kv_bytes = batch_size * ctx * s.kvh * s.d * 2 * s.pool.k_buffer[0].element_size()
-    auto = TritonAttention(s.pool, s.r2t.req_to_token, num_heads=s.h).num_kv_splits(batch_size)
-    for splits in sorted(set(splits_list) | {auto}):
+    # the fixed split counts with one-tile chunks, then (*) TritonAttention's own layout
+    auto = TritonAttention(s.pool, s.r2t.req_to_token, num_heads=s.h).split_layout(batch_size, ctx)
+    for splits, min_len in [(n, 0) for n in sorted(splits_list)] + [tuple(auto)]:
         out = torch.empty_like(q)
-        ws = torch.empty(decode_workspace_numel(batch_size, s.h, s.d, splits), device="cuda")
+        ws = torch.empty(max(1, decode_workspace_numel(batch_size, s.h, s.d, splits)), device="cuda")
         ms = bench(lambda: decode_attention(q, out, s.pool.k_buffer[0], s.pool.v_buffer[0],
                                             s.r2t.req_to_token, b.req_pool_indices, b.seq_lens,
-                                            0.1, splits, workspace=ws))
-        tag = f"decode B={batch_size} ctx={ctx} splits={splits}{'*' if splits == auto else ''}"
+                                            0.1, splits, workspace=ws, min_split_len=min_len))
+        star = "*" if (splits, min_len) == tuple(auto) else ""
+        tag = f"decode B={batch_size} ctx={ctx} splits={splits}/{min_len}{star}"
         print(f"{tag:<44} {torch_ms:>10.3f} {ms:>10.3f} {torch_ms / ms:>8.1f}x "
               f"{kv_bytes / ms / 1e9:>9.0f} GB/s")
 

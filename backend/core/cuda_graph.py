@@ -14,6 +14,13 @@ dummy table row 0 (seq_len 0, so attention reads nothing for them)::
     req_pool_idx    copied                0   (dummy row)
     seq_lens        copied                0
 
+Each size is captured once per length class of the attention backend
+(``decode_len_classes``): the static batch's host ``seq_lens_cpu`` holds the class's
+bound on the longest row, which is all a decode launch may size itself by. A replay
+takes the first class whose bound holds the batch's longest row (with the Triton
+backend at large batch: rows up to 512 positions get a one-pass grid, longer ones the
+split grid).
+
 The graph ends at the final norm and the LM head runs outside it on the real rows only,
 so no [B, vocab] buffer is kept per captured size. At batch 1 with the fused
 matrix-vector kernels the graph ends before the norm instead: the norm runs inside the
@@ -121,10 +128,13 @@ class CudaGraphRunner:
          self.seq_lens) = self.inputs.unbind(0)
         self.ones = torch.ones(n, **i64)
         self.arange = torch.arange(n + 1, **i64)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # per size: the model's logits_input (final hidden states, or at batch 1 with the
-        # fused kernels the stream before the norm)
-        self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        # per size, the attention's row-length classes (each a bound on the longest row)
+        self.len_classes = {size: attn.decode_len_classes(size, req_to_token.shape[1])
+                            for size in self.sizes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # per (size, class): the model's logits_input (final hidden states, or at batch 1
+        # with the fused kernels the stream before the norm)
+        self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -137,7 +147,7 @@ class CudaGraphRunner:
         # differ (prompt logprobs of a one-token prompt, say) runs eagerly
         return batch.is_decode and batch.all_rows and 0 < batch.batch_size <= self.max_batch_size
 
-    def _static_batch(self, size: int) -> ForwardBatch:
+    def _static_batch(self, size: int, max_seq_len: int) -> ForwardBatch:
         seq_lens = self.seq_lens[:size]
         return ForwardBatch(
             input_ids=self.input_ids[:size], positions=self.positions[:size],
@@ -145,8 +155,9 @@ class CudaGraphRunner:
             seq_lens=seq_lens, extend_prefix_lens=self.positions[:size],  # prefix = position
             extend_seq_lens=self.ones[:size], qo_indptr=self.arange[:size + 1],
             logits_indices=self.arange[:size],
-            # host lists only size the launches; decode kernels take lengths from the device
-            seq_lens_cpu=[1] * size, extend_prefix_lens_cpu=[0] * size,
+            # host lists only size the launches (a bound on the lengths: the length
+            # class's); decode kernels take the lengths from the device
+            seq_lens_cpu=[max_seq_len] * size, extend_prefix_lens_cpu=[0] * size,
             extend_seq_lens_cpu=[1] * size, is_decode=True, all_rows=True)
 
     def _run(self, batch: ForwardBatch):
@@ -159,9 +170,11 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         with _side_stream() as stream:
             for size in reversed(self.sizes):  # largest first: later ones reuse its pool
-                self.graphs[size], self.outputs[size] = _capture(
-                    self._run, self._static_batch(size), self.pool, stream)
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+                for bound in reversed(self.len_classes[size]):
+                    self.graphs[size, bound], self.outputs[size, bound] = _capture(
+                        self._run, self._static_batch(size, bound), self.pool, stream)
+        logger.info("captured CUDA graphs for decode batch sizes %s (row-length classes %s)",
+                    self.sizes, sorted({c for cs in self.len_classes.values() for c in cs}))
 
     def replay(self, batch: ForwardBatch):
         """What ``compute_logits`` takes, for the batch's rows."""
@@ -177,8 +190,10 @@ class CudaGraphRunner:
                 buf[:b].copy_(src)
         if size > b:
             self.inputs[:, b:size].zero_()
-        self.graphs[size].replay()
-        out = self.outputs[size]
+        classes = self.len_classes[size]
+        key = size, classes[min(bisect.bisect_left(classes, batch.max_seq_len), len(classes) - 1)]
+        self.graphs[key].replay()
+        out = self.outputs[key]
         return out[:b] if isinstance(out, torch.Tensor) else (out[0][:b], out[1][:b])
 
 

@@ -9,12 +9,26 @@ makes GQA cheap: decode is bound by KV bytes read. Stage 2 merges the splits:
 
     out = sum_s 2^(lse_s - M) * acc_s / sum_s 2^(lse_s - M),   M = max_s lse_s
 
+Each row picks its own chunk, in the kernel, from its length n (the positions it sees)::
+
+    chunk = max(n / num_kv_splits, min_split_len), rounded up to whole BLOCK_N tiles
+    split s covers positions s * chunk .. (s + 1) * chunk - 1; used = ceil(n / chunk)
+
+    n <= chunk (used <= 1): "one pass": split 0 normalises and writes o itself, the
+                            other splits return at once, stage 2 skips the row
+    n >  chunk:             every used split writes (acc_s, lse_s) to the workspace,
+                            stage 2 merges exactly the used ones
+
+Splitting buys parallelism at small batch and long rows, and costs a workspace round
+trip and a second launch. ``min_split_len`` (0: one tile) is how short a chunk may get:
+a caller whose batch already fills the GPU sets it high, so short rows run in one pass
+and only long rows split (for balance). With ``num_kv_splits == 1`` every row is one
+pass: stage 2 is not launched and no workspace is needed.
+
 CUDA-graph invariants: grid and workspace shapes depend only on (batch, heads, splits),
 never on seq_lens values; the kernels read seq_lens on the device; with a caller-owned
-workspace nothing is allocated and nothing syncs. Chunk boundaries are computed in the
-kernel, so a request shorter than ``num_kv_splits`` just leaves some splits empty; an
-empty split writes lse = -1e30, which gets weight 0 next to any real split (and a
-request with seq_len 0, e.g. graph padding, gets a 0 output rather than NaN).
+workspace nothing is allocated and nothing syncs. A request with seq_len 0 (graph
+padding) is a one-pass row with no key: its output is 0, not NaN.
 
 Optionally (``rope``) stage 1 also applies the rotary embedding to q and writes the new
 token's rotated K and its V to the pool, which saves the model a launch per layer.
@@ -41,12 +55,27 @@ NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf -
 
 
 @triton.jit
+def _row_chunk(SeqLens, b, min_split_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """(seq_len, first position seen, positions seen, chunk): both stages derive the
+    split layout of row b from this one place, so they always agree on it."""
+    seq_len = tl.load(SeqLens + b)
+    first = 0  # the oldest position the new token sees
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    n_kv = seq_len - first
+    # whole tiles: only the last used split has a partial tile
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(n_kv, NUM_SPLITS), min_split_len), BLOCK_N) * BLOCK_N
+    return seq_len, first, n_kv, chunk
+
+
+@triton.jit
 def _decode_stage1(
-    Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
+    Q, O, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
     Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale,
-    sm_scale, softcap,
-    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
-    stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb, stride_vnh,
+    sm_scale, softcap, min_split_len,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    stride_rt, stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
@@ -61,24 +90,22 @@ def _decode_stage1(
         v_scale = tl.load(VScale + kv_head)
     split = tl.program_id(2)
 
-    seq_len = tl.load(SeqLens + b)
+    seq_len, first, n_kv, chunk = _row_chunk(SeqLens, b, min_split_len, WINDOW, NUM_SPLITS,
+                                             BLOCK_N)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    first = 0  # the oldest position the new token sees
-    if WINDOW > 0:
-        first = tl.maximum(seq_len - WINDOW, 0)
-    # chunk rounded up to whole tiles: only the last non-empty split has a partial tile;
-    # short requests use fewer splits instead of many nearly-empty tiles
-    chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    one_pass = n_kv <= chunk  # split 0 holds the whole row and writes o itself
 
     offs_g = tl.arange(0, BLOCK_G)  # BLOCK_G >= 16 (tl.dot minimum); rows >= GROUP are padding
     offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    qmask = g_mask[:, None] & d_mask[None, :]
+    # a scalar condition enters a mask as a row limit (GROUP or 0): the interpreter
+    # rejects a scalar bool broadcast into a tensor mask
+    q_rows = tl.where(start < end, GROUP, 0)  # an empty split reads nothing
+    qmask = (offs_g < q_rows)[:, None] & d_mask[None, :]
     if ROPE:
         # rotate-half rotary at this token's position, as kernels/fused.py's rotary does
         # (float32 math, rounded to q's dtype): lane d pairs with lane d +- HEAD_DIM / 2
@@ -141,32 +168,44 @@ def _decode_stage1(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    # a non-empty split has l >= 1 (its max key scores exp2(0)); a row with no key has
+    # l == 0 and gets a 0 output
     has_kv = l_i > 0.0
     acc = acc * (v_scale / tl.where(has_kv, l_i, 1.0))[:, None]
-    lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), NEG_FLOOR)
-    # workspace rows: ((b * H + head) * NUM_SPLITS + split)
-    ws_row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
-    tl.store(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
-             mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(WorkLse + ws_row, lse, mask=g_mask)
+    o_ptr = O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    o_rows = tl.where(one_pass & (split == 0), GROUP, 0)
+    tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=(offs_g < o_rows)[:, None] & d_mask[None, :])
+    if NUM_SPLITS > 1:
+        lse = m_i + tl.log2(tl.where(has_kv, l_i, 1.0))
+        # workspace rows: ((b * H + head) * NUM_SPLITS + split), used splits only
+        ws_row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+        ws_mask = offs_g < tl.where((n_kv > chunk) & (start < end), GROUP, 0)
+        tl.store(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=ws_mask[:, None] & d_mask[None, :])
+        tl.store(WorkLse + ws_row, lse, mask=ws_mask)
 
 
 @triton.jit
 def _decode_stage2(
-    WorkAcc, WorkLse, O, stride_ob, stride_oh,
+    WorkAcc, WorkLse, O, SeqLens, min_split_len, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
 ):
+    """One program per (request, head), for latency at small batch: merges the row's
+    used splits; a one-pass row (stage 1 wrote it) costs it one load of seq_len."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    _, _, n_kv, chunk = _row_chunk(SeqLens, b, min_split_len, WINDOW, NUM_SPLITS, BLOCK_N)
+    # used splits (each with l >= 1, a finite lse); none for a one-pass row
+    used = tl.where(n_kv > chunk, tl.cdiv(n_kv, tl.maximum(chunk, 1)), 0)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    d_mask = offs_d < HEAD_DIM
+    s_mask = offs_s < used
+    d_mask = offs_d < tl.where(used > 0, HEAD_DIM, 0)
     ws_row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
-    # padding lanes of BLOCK_S read -inf: weight exactly 0; the max is over real splits,
-    # which are all >= NEG_FLOOR, so at least one weight is 1 and the sum is >= 1
-    lse = tl.load(WorkLse + ws_row, mask=s_mask, other=float("-inf"))
+    # unused lanes read NEG_FLOOR: weight exactly 0 next to the used splits' max
+    # (weight 1); a one-pass row (no lane used) computes a 0 it does not store
+    lse = tl.load(WorkLse + ws_row, mask=s_mask, other=NEG_FLOOR)
     w = tl.exp2(lse - tl.max(lse, 0))
     acc = tl.load(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
@@ -174,9 +213,27 @@ def _decode_stage2(
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
+class DecodeTiles(NamedTuple):
+    """Stage 1's KV tile (positions per loop step) and its launch options."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_tiles(dot_dtype: torch.dtype, head_dim: int) -> DecodeTiles:
+    """The default stage-1 tiles: 64 positions (32 for fp32 dots or wide heads, so the
+    K/V tiles and their pipeline copies stay within shared memory)."""
+    wide = max(16, triton.next_power_of_2(head_dim)) > 128
+    return DecodeTiles(32 if (dot_dtype == torch.float32 or wide) else 64, 4, 2)
+
+
 def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int,
                            num_kv_splits: int) -> int:
-    """float32 elements ``decode_attention`` needs: partial outputs then their lse."""
+    """float32 elements ``decode_attention`` needs: partial outputs then their lse;
+    none for a single split (every row is one pass)."""
+    if num_kv_splits <= 1:
+        return 0
     return batch_size * num_heads * num_kv_splits * (head_dim + 1)
 
 
@@ -204,13 +261,15 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                      workspace: torch.Tensor | None = None,
                      rope: DecodeRope | None = None, window: int = 0,
                      softcap: float = 0.0, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> None:
+                     v_scale: torch.Tensor | None = None, min_split_len: int = 0,
+                     tiles: DecodeTiles | None = None) -> None:
     """Write into ``o`` [B, H, D] the attention of ``q`` [B, H, D] (one token per request)
     over positions ``0 .. seq_lens[b] - 1`` of row ``req_pool_indices[b]``.
 
-    workspace: optional contiguous float32 tensor with at least
-    ``decode_workspace_numel(B, H, D, num_kv_splits)`` elements; pass one (and a fixed
-    ``num_kv_splits``) when capturing CUDA graphs so the call allocates nothing.
+    num_kv_splits, min_split_len: the split layout (module docstring); the grid is
+    (B, KVH, num_kv_splits) whatever the lengths. workspace: optional contiguous float32
+    tensor with at least ``decode_workspace_numel(B, H, D, num_kv_splits)`` elements;
+    pass one (and fixed splits) when capturing CUDA graphs so the call allocates nothing.
 
     rope: with it, ``q`` is taken before its rotary embedding (and left as it is), and
     the new tokens' K/V (``rope.k`` rotated) are written to their pool slots by the
@@ -218,23 +277,28 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     in between (a batch-1 step of a small model is mostly launch latency).
 
     window, softcap: see the module docstring (0: off). k_scale, v_scale: float32 [KVH],
-    required for a float8 pool.
+    required for a float8 pool. tiles: stage 1's tile and launch options
+    (``decode_tiles`` when None).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert num_heads % num_kv_heads == 0 and k_buffer.shape[2] == head_dim
     assert o.shape == q.shape and q.stride(-1) == 1 and o.stride(-1) == 1
     assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1 and req_to_token.stride(1) == 1
-    assert num_kv_splits >= 1
+    assert num_kv_splits >= 1 and min_split_len >= 0
     if batch == 0:
         return
     numel = decode_workspace_numel(batch, num_heads, head_dim, num_kv_splits)
-    if workspace is None:
-        workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
-    assert workspace.dtype == torch.float32 and workspace.is_contiguous() and workspace.numel() >= numel
-    n_acc = batch * num_heads * num_kv_splits * head_dim
-    work_acc = workspace[:n_acc]
-    work_lse = workspace[n_acc:numel]
+    if numel == 0:  # one pass for every row: placeholders for the unused pointers
+        work_acc = work_lse = o
+    else:
+        if workspace is None:
+            workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+        assert (workspace.dtype == torch.float32 and workspace.is_contiguous()
+                and workspace.numel() >= numel)
+        n_acc = batch * num_heads * num_kv_splits * head_dim
+        work_acc = workspace[:n_acc]
+        work_lse = workspace[n_acc:numel]
 
     if rope is not None:
         check_rotary(q, rope.k, rope.positions, rope.cos, rope.sin)
@@ -247,25 +311,28 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     fp8 = check_kv_scales(k_buffer, k_scale, v_scale)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    fp32 = (q.dtype if fp8 else k_buffer.dtype) == torch.float32  # the dots' dtype
-    block_n = 32 if (fp32 or block_d > 128) else 64
+    dot_dtype = q.dtype if fp8 else k_buffer.dtype
+    fp32 = dot_dtype == torch.float32
+    tiles = tiles or decode_tiles(dot_dtype, head_dim)
+    window = max(0, int(window))
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
+        q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
         r.positions, r.cos, r.sin, r.k, r.v, r.loc,
-        k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap, min_split_len,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0),
+        k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         r.cos.stride(0), r.sin.stride(0), r.k.stride(0), r.k.stride(1),
         r.v.stride(0), r.v.stride(1),
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
-        WINDOW=max(0, int(window)), SOFTCAP=softcap > 0, KV_FP8=fp8,
-        num_warps=4, num_stages=2,
+        WINDOW=window, SOFTCAP=softcap > 0, KV_FP8=fp8,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    _decode_stage2[(batch, num_heads)](
-        work_acc, work_lse, o, o.stride(0), o.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
-        num_warps=4,
-    )
+    if num_kv_splits > 1:
+        _decode_stage2[(batch, num_heads)](
+            work_acc, work_lse, o, seq_lens, min_split_len, o.stride(0), o.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+            BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_N=tiles.block_n,
+            BLOCK_D=block_d, WINDOW=window, num_warps=4,
+        )

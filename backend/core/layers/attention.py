@@ -32,6 +32,13 @@ class AttentionBackend(ABC):
     def prepare(self, batch: ForwardBatch) -> None:
         """Per-batch set-up shared by all layers (index tensors, workspaces). Optional."""
 
+    def decode_len_classes(self, batch_size: int, max_seq_len: int) -> list[int]:
+        """Bounds on a decode batch's longest row, ascending and ending at ``max_seq_len``,
+        between which this backend launches differently at this batch size. A CUDA graph
+        captured with a class's bound as every ``seq_lens_cpu`` serves any batch whose
+        longest row is within it."""
+        return [max_seq_len]
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float, *, window: int = 0,

@@ -8,8 +8,10 @@ chunked prefill, mixed prefill + decode, jump-forward runs) the extend kernel.
 ``forward`` never syncs the device: launch shapes come from the batch's host lists
 (``batch_size``, ``max_extend_len``), never from device tensors. For CUDA graphs, pass
 ``num_heads`` and ``max_batch_size`` so the decode workspace is allocated once here and
-keeps its address across captures; the number of KV splits is a function of the batch
-size only, so every replay of a graph captured at batch size B uses the same grid.
+keeps its address across captures. The decode split layout (``SplitLayout``) is a
+function of the batch size and of a bound on the batch's longest row, ``max_seq_len``
+from the host lists; a CUDA graph's static batch carries the bound of its length class
+(``decode_len_classes``), so every replay of a graph uses the grid it was captured with.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import triton
 from ..forward_batch import ForwardBatch
 from ..kernels import (DecodeRope, decode_attention, decode_workspace_numel, extend_attention,
                        store_kv)
+from ..kernels.decode_attention import DecodeTiles
 from ..kernels.fused import rotary_store_kv
 from ..memory_pool import KVPool
 from .attention import AttentionBackend
@@ -28,6 +31,18 @@ from .attention import AttentionBackend
 MIN_KV_SPLITS = 4
 MAX_KV_SPLITS = 32
 CPU_KV_SPLITS = 8  # no SM count to size for; also what the interpreter tests use
+# A decode batch of at least FILL_PROGRAMS_PER_SM * SMs (request, kv head) pairs keeps the
+# GPU busy without splitting rows: there rows up to ONE_PASS_LEN positions run in one
+# pass (no workspace round trip, no merge), and only longer ones split, for balance.
+FILL_PROGRAMS_PER_SM = 2
+ONE_PASS_LEN = 512
+
+
+class SplitLayout(NamedTuple):
+    """How the decode kernel splits rows (``decode_attention``'s two arguments)."""
+
+    num_kv_splits: int
+    min_split_len: int
 
 
 class TritonAttention(AttentionBackend):
@@ -35,11 +50,16 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, *,
                  num_heads: int | None = None, num_kv_splits: int | None = None,
-                 max_batch_size: int = 0) -> None:
-        """num_kv_splits: fixed split count for decode; None picks one per batch size."""
+                 min_split_len: int | None = None, max_batch_size: int = 0,
+                 decode_tiles: DecodeTiles | None = None) -> None:
+        """num_kv_splits, min_split_len: fixed decode split choices instead of
+        ``split_layout``'s (for tests and tuning); decode_tiles: the decode kernel's
+        tiles instead of its default."""
         super().__init__(kv_pool, req_to_token)
         self.num_heads = num_heads
         self.fixed_kv_splits = num_kv_splits
+        self.fixed_min_split_len = min_split_len
+        self.decode_tiles = decode_tiles
         k0 = kv_pool.k_buffer[0]
         self.device = k0.device
         self.num_kv_heads = int(k0.shape[1])
@@ -53,17 +73,36 @@ class TritonAttention(AttentionBackend):
             self._workspace = torch.empty(worst, dtype=torch.float32, device=self.device)
 
     def num_kv_splits(self, batch_size: int) -> int:
-        """Splits for a decode batch: enough stage-1 programs for ~2 waves over the SMs.
-
-        A pure function of the batch size (and fixed hardware), so it is stable across
-        CUDA-graph replays; it never looks at sequence lengths.
-        """
+        """Splits for a decode batch whose rows may be long: enough stage-1 programs for
+        ~2 waves over the SMs (and at least MIN_KV_SPLITS, to balance long rows). A pure
+        function of the batch size (and fixed hardware); it sizes the workspace."""
         if self.fixed_kv_splits:
             return self.fixed_kv_splits
         if not self.num_sms:
             return CPU_KV_SPLITS
         want = triton.cdiv(2 * self.num_sms, max(1, batch_size * self.num_kv_heads))
         return min(MAX_KV_SPLITS, max(MIN_KV_SPLITS, triton.next_power_of_2(want)))
+
+    def split_layout(self, batch_size: int, max_seq_len: int) -> SplitLayout:
+        """The decode split layout for a batch whose rows have at most ``max_seq_len``
+        positions (a bound known on the host; the kernel reads the real lengths)."""
+        splits = self.num_kv_splits(batch_size)
+        if self.fixed_min_split_len is not None:
+            return SplitLayout(splits, self.fixed_min_split_len)
+        if not self.num_sms or self.fixed_kv_splits:
+            return SplitLayout(splits, 0)  # one tile: as many splits as the rows fill
+        if batch_size * self.num_kv_heads < FILL_PROGRAMS_PER_SM * self.num_sms:
+            return SplitLayout(splits, 0)
+        if max_seq_len <= ONE_PASS_LEN:
+            return SplitLayout(1, 0)  # every row one pass: stage 2 is not even launched
+        return SplitLayout(splits, ONE_PASS_LEN)
+
+    def decode_len_classes(self, batch_size: int, max_seq_len: int) -> list[int]:
+        # two classes where short rows get a grid of their own (one split, one launch)
+        short = min(ONE_PASS_LEN, max_seq_len)
+        if self.split_layout(batch_size, short) != self.split_layout(batch_size, max_seq_len):
+            return [short, max_seq_len]
+        return [max_seq_len]
 
     def _decode_workspace(self, batch_size: int, num_heads: int, splits: int) -> torch.Tensor:
         """The shared float32 workspace, grown (never shrunk) to fit this batch.
@@ -119,12 +158,13 @@ class TritonAttention(AttentionBackend):
         if batch.is_decode:
             num_heads = q.shape[1]
             self.num_heads = self.num_heads or num_heads  # lets later prepare() calls size it
-            splits = self.num_kv_splits(batch.batch_size)
-            workspace = self._decode_workspace(batch.batch_size, num_heads, splits)
+            layout = self.split_layout(batch.batch_size, batch.max_seq_len)
+            workspace = self._decode_workspace(batch.batch_size, num_heads, layout.num_kv_splits)
             decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
-                             batch.seq_lens, scoring.scale, splits, workspace=workspace,
-                             rope=rope, window=scoring.window, softcap=scoring.softcap,
-                             k_scale=k_scale, v_scale=v_scale)
+                             batch.seq_lens, scoring.scale, layout.num_kv_splits,
+                             workspace=workspace, rope=rope, window=scoring.window,
+                             softcap=scoring.softcap, k_scale=k_scale, v_scale=v_scale,
+                             min_split_len=layout.min_split_len, tiles=self.decode_tiles)
         else:
             extend_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                              batch.seq_lens, batch.extend_prefix_lens, batch.qo_indptr,

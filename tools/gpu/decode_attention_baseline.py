@@ -1,0 +1,282 @@
+"""The decode-attention kernel as it was before short rows ran in one pass (commit
+9a6eeb4 of backend/core/kernels/decode_attention.py), kept unchanged as the baseline of
+tools/gpu/bench_decode_attention.py. Its split count is ``baseline_splits``, the
+TritonAttention policy of that time.
+
+Split-KV ("flash-decoding") attention for one new query token per request.
+
+Decode has one query row per head, so a grid of (request, head) alone leaves most SMs
+idle on long contexts at small batch. Stage 1 therefore also splits each request's KV
+into ``num_kv_splits`` chunks; every (request, kv head, split) program computes, for all
+``GROUP = H / KVH`` query heads sharing that kv head, a normalised partial output and
+its log-sum-exp. Loading a K/V tile once per group (not once per query head) is what
+makes GQA cheap: decode is bound by KV bytes read. Stage 2 merges the splits:
+
+    out = sum_s 2^(lse_s - M) * acc_s / sum_s 2^(lse_s - M),   M = max_s lse_s
+
+CUDA-graph invariants: grid and workspace shapes depend only on (batch, heads, splits),
+never on seq_lens values; the kernels read seq_lens on the device; with a caller-owned
+workspace nothing is allocated and nothing syncs. Chunk boundaries are computed in the
+kernel, so a request shorter than ``num_kv_splits`` just leaves some splits empty; an
+empty split writes lse = -1e30, which gets weight 0 next to any real split (and a
+request with seq_len 0, e.g. graph padding, gets a 0 output rather than NaN).
+
+Optionally (``rope``) stage 1 also applies the rotary embedding to q and writes the new
+token's rotated K and its V to the pool, which saves the model a launch per layer.
+
+A sliding-window layer (``window`` W > 0) attends to the last W positions only: the
+splits then divide ``max(0, seq_len - W) .. seq_len - 1`` instead of the whole row, so
+its cost stops growing with the context. ``softcap`` as in the extend kernel, and so is
+an FP8 pool (``KV_FP8``): tiles upcast to q's dtype, the KV head's scales taken out of the
+sums; the new token's K/V are divided by them before they are stored.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from backend.core.kernels.extend_attention import _scores
+from backend.core.kernels.fused import check_rotary
+from backend.core.kernels.scales import check_kv_scales, saturate
+
+NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf - inf
+
+
+@triton.jit
+def _decode_stage1(
+    Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
+    Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale,
+    sm_scale, softcap,
+    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
+    stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb, stride_vnh,
+    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    first = 0  # the oldest position the new token sees
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    # chunk rounded up to whole tiles: only the last non-empty split has a partial tile;
+    # short requests use fewer splits instead of many nearly-empty tiles
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)  # BLOCK_G >= 16 (tl.dot minimum); rows >= GROUP are padding
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    qmask = g_mask[:, None] & d_mask[None, :]
+    if ROPE:
+        # rotate-half rotary at this token's position, as kernels/fused.py's rotary does
+        # (float32 math, rounded to q's dtype): lane d pairs with lane d +- HEAD_DIM / 2
+        half: tl.constexpr = HEAD_DIM // 2
+        lo = offs_d < half
+        d_pair = tl.where(lo, offs_d + half, offs_d - half)
+        d_freq = tl.where(lo, offs_d, offs_d - half)
+        sign = tl.where(lo, -1.0, 1.0)
+        pos = tl.load(Pos + b).to(tl.int64)
+        cos = tl.load(Cos + pos * stride_cos + d_freq, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + pos * stride_sin + d_freq, mask=d_mask, other=0.0).to(tl.float32) * sign
+        q1 = tl.load(q_ptr + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
+        q2 = tl.load(q_ptr + d_pair[None, :], mask=qmask, other=0.0).to(tl.float32)
+        q = (q1 * cos[None, :] + q2 * sin[None, :]).to(Q.dtype.element_ty)
+        # the new token's K/V go to their pool slot. Only the split holding the last
+        # position reads that slot, so that program writes it, before its own reads
+        # (the barrier makes the writes visible to all of its threads)
+        if (seq_len > 0) & (split == (seq_len - 1 - first) // tl.maximum(chunk, 1)):
+            slot = tl.load(Loc + b).to(tl.int64)
+            kn_ptr = KNew + b.to(tl.int64) * stride_knb + kv_head * stride_knh
+            k1 = tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            k2 = tl.load(kn_ptr + d_pair, mask=d_mask, other=0.0).to(tl.float32)
+            k_rot = (k1 * cos + k2 * sin).to(KNew.dtype.element_ty)
+            v_new = tl.load(VNew + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d,
+                            mask=d_mask, other=0.0)
+            if KV_FP8:
+                k_rot = saturate(tl.math.div_rn(k_rot.to(tl.float32), k_scale))
+                v_new = saturate(tl.math.div_rn(v_new.to(tl.float32), v_scale))
+            tl.store(KBuf + slot * stride_kbs + kv_head * stride_kbh + offs_d,
+                     k_rot.to(KBuf.dtype.element_ty), mask=d_mask)
+            tl.store(VBuf + slot * stride_vbs + kv_head * stride_vbh + offs_d,
+                     v_new.to(VBuf.dtype.element_ty), mask=d_mask)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + offs_d[None, :], mask=qmask, other=0.0)
+    if KV_FP8:  # K/V are upcast to q's dtype instead, their scales taken out of the sums
+        sm_scale = sm_scale * k_scale
+    else:
+        q = q.to(KBuf.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], NEG_FLOOR, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, softcap,
+                     SOFTCAP)
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_kv = l_i > 0.0
+    acc = acc * (v_scale / tl.where(has_kv, l_i, 1.0))[:, None]
+    lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), NEG_FLOOR)
+    # workspace rows: ((b * H + head) * NUM_SPLITS + split)
+    ws_row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(WorkLse + ws_row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_stage2(
+    WorkAcc, WorkLse, O, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    ws_row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    # padding lanes of BLOCK_S read -inf: weight exactly 0; the max is over real splits,
+    # which are all >= NEG_FLOOR, so at least one weight is 1 and the sum is >= 1
+    lse = tl.load(WorkLse + ws_row, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    acc = tl.load(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+
+
+def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int,
+                           num_kv_splits: int) -> int:
+    """float32 elements ``decode_attention`` needs: partial outputs then their lse."""
+    return batch_size * num_heads * num_kv_splits * (head_dim + 1)
+
+
+class DecodeRope(NamedTuple):
+    """The new tokens' rotary embedding and K/V store, folded into ``decode_attention``.
+
+    k, v: [B, KVH, D], k not yet rotated (views of a fused QKV output are fine: unit
+    stride on D); positions: int64 [B]; cos, sin: [max_pos, D/2] (``RotaryEmbedding``'s
+    tables); loc: int64 [B], each token's pool slot, which ``req_to_token`` must already
+    list at position ``seq_lens[b] - 1``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    loc: torch.Tensor
+
+
+def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
+                     v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float, num_kv_splits: int,
+                     workspace: torch.Tensor | None = None,
+                     rope: DecodeRope | None = None, window: int = 0,
+                     softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
+    """Write into ``o`` [B, H, D] the attention of ``q`` [B, H, D] (one token per request)
+    over positions ``0 .. seq_lens[b] - 1`` of row ``req_pool_indices[b]``.
+
+    workspace: optional contiguous float32 tensor with at least
+    ``decode_workspace_numel(B, H, D, num_kv_splits)`` elements; pass one (and a fixed
+    ``num_kv_splits``) when capturing CUDA graphs so the call allocates nothing.
+
+    rope: with it, ``q`` is taken before its rotary embedding (and left as it is), and
+    the new tokens' K/V (``rope.k`` rotated) are written to their pool slots by the
+    same launch: ``fused.rotary_store_kv`` followed by this call, without the launch
+    in between (a batch-1 step of a small model is mostly launch latency).
+
+    window, softcap: see the module docstring (0: off). k_scale, v_scale: float32 [KVH],
+    required for a float8 pool.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    assert num_heads % num_kv_heads == 0 and k_buffer.shape[2] == head_dim
+    assert o.shape == q.shape and q.stride(-1) == 1 and o.stride(-1) == 1
+    assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1 and req_to_token.stride(1) == 1
+    assert num_kv_splits >= 1
+    if batch == 0:
+        return
+    numel = decode_workspace_numel(batch, num_heads, head_dim, num_kv_splits)
+    if workspace is None:
+        workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+    assert workspace.dtype == torch.float32 and workspace.is_contiguous() and workspace.numel() >= numel
+    n_acc = batch * num_heads * num_kv_splits * head_dim
+    work_acc = workspace[:n_acc]
+    work_lse = workspace[n_acc:numel]
+
+    if rope is not None:
+        check_rotary(q, rope.k, rope.positions, rope.cos, rope.sin)
+        assert rope.v.shape == rope.k.shape == (batch, num_kv_heads, head_dim)
+        assert rope.v.stride(-1) == 1 and rope.loc.shape == (batch,)
+        assert rope.loc.dtype == torch.int64
+        r = rope
+    else:  # placeholders for the unused pointers (ROPE=False compiles them out)
+        r = DecodeRope(q, q, seq_lens, q, q, seq_lens)
+    fp8 = check_kv_scales(k_buffer, k_scale, v_scale)
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    fp32 = (q.dtype if fp8 else k_buffer.dtype) == torch.float32  # the dots' dtype
+    block_n = 32 if (fp32 or block_d > 128) else 64
+    _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
+        r.positions, r.cos, r.sin, r.k, r.v, r.loc,
+        k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        r.cos.stride(0), r.sin.stride(0), r.k.stride(0), r.k.stride(1),
+        r.v.stride(0), r.v.stride(1),
+        GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
+        WINDOW=max(0, int(window)), SOFTCAP=softcap > 0, KV_FP8=fp8,
+        num_warps=4, num_stages=2,
+    )
+    _decode_stage2[(batch, num_heads)](
+        work_acc, work_lse, o, o.stride(0), o.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+def baseline_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """The split count TritonAttention chose then: ~2 waves of stage-1 programs, 4..32."""
+    want = triton.cdiv(2 * num_sms, max(1, batch_size * num_kv_heads))
+    return min(32, max(4, triton.next_power_of_2(want)))
