@@ -161,11 +161,11 @@ def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> 
 
 
 def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every ``Fp8Linear`` of ``model`` by an ``nn.Linear`` holding its
-    ``dequantized(dtype)`` weight (``dtype``: the model's): the weight-only products
-    computed by torch, exact in a float32 model, the reference the FP8 matrix-vector
-    kernels are checked against and whose quality ``tools/fp8_quality.py`` measures.
-    Returns how many were replaced."""
+    """Replace every ``Fp8Linear`` and ``Fp8BlockLinear`` of ``model`` by an
+    ``nn.Linear`` holding its ``dequantized(dtype)`` weight (``dtype``: the model's): the
+    weight-only products computed by torch, exact in a float32 model, the reference the
+    FP8 matrix-vector kernels are checked against and whose quality
+    ``tools/fp8_quality.py`` measures. Returns how many were replaced."""
     def to_linear(fp8: Fp8Linear) -> nn.Linear:
         linear = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None,
                            device=fp8.weight.device, dtype=dtype)
@@ -175,7 +175,10 @@ def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
                 linear.bias.copy_(fp8.bias)
         return linear
 
-    names = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
+    from .fp8_block_linear import Fp8BlockLinear
+
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, (Fp8Linear, Fp8BlockLinear))]
     return _replace(model, names, to_linear)
 
 
