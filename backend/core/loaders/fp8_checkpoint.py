@@ -153,12 +153,14 @@ class StoredScale:
            name: str = "weight") -> "StoredScale":
         """``scale`` of a [rows, cols] weight; ValueError for a shape that fits no kind."""
         b0, b1 = block
-        if scale.numel() == 1:
-            kind = "tensor"
-        elif scale.shape in ((rows,), (rows, 1)):
+        # a grid of one block is a block scale, not a tensor's (its layer takes the
+        # activations in groups, as the checkpoint's other layers do)
+        if scale.shape in ((rows,), (rows, 1)):
             kind = "channel"
         elif scale.dim() == 2 and scale.shape == (-(-rows // b0), -(-cols // b1)):
             kind = "block"
+        elif scale.numel() == 1:
+            kind = "tensor"
         else:
             raise ValueError(f"{name}: scale of shape {tuple(scale.shape)} fits neither a "
                              f"tensor, its {rows} rows nor {b0}x{b1} blocks of its "
