@@ -59,7 +59,8 @@ def _group_quant_kernel(X, Q, S, stride_x, stride_q, stride_s, K, num_groups, fp
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < K
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 1) / fp8_max, min_scale)
+    # IEEE divisions (div_rn), as torch divides: the bytes of the torch form, exactly
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), fp8_max), min_scale)
     q = saturate(tl.math.div_rn(x, scale[:, None]))
     tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row * stride_s + groups, scale, mask=groups < num_groups)
