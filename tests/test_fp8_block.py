@@ -13,9 +13,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from backend.core import EngineConfig
+from backend.core.fp8 import quantize_rows
 from backend.core.layers.fp8_block_linear import (Fp8BlockLinear, dequantize_blocks,
                                                   quantize_blocks, quantize_groups)
 from backend.core.layers.fp8_linear import Fp8Linear
+from backend.core.loaders import open_checkpoint
 from engine_helpers import make_engine, random_prompts, tiny_model
 
 import model_factory as mf
@@ -215,3 +217,39 @@ def test_a_float8_lm_head_is_dequantized_in_place(original, tmp_path):
     assert scale.shape[0] == -(-rows // 32) and rows % 32 != 0
     full = scale.repeat_interleave(32, 0)[:rows].repeat_interleave(32, 1)
     assert torch.equal(head.weight, weight.float() * full)
+
+
+def _mixed(block):
+    """v_proj per channel, every other projection in blocks."""
+    blocks = _per_block(block)
+
+    def convert(name, weight):
+        if "v_proj.weight" not in name:
+            return blocks(name, weight)
+        q, scale = quantize_rows(weight)
+        return {name: q, name.replace(".weight", ".weight_scale"): scale}
+    return convert
+
+
+def test_a_fused_layer_whose_pieces_disagree_is_quantized_at_load_from_their_values(
+        original, tmp_path):
+    ckpt = _checkpoint(original, tmp_path / "mixed", _block_config(32), _mixed(32))
+    engine = make_engine(ckpt, quantization="fp8")
+    attn = engine.runner.model.layers[0].self_attn
+    assert type(attn.qkv_proj) is Fp8Linear  # per channel, as quantization says
+    assert isinstance(attn.o_proj, Fp8BlockLinear) and attn.o_proj.block == (32, 32)
+    # quantized from the checkpoint's dequantized values: the checkpoint's weight within
+    # a float8 step
+    stored = dict(open_checkpoint(ckpt).weights())  # dequantized float32
+    want = torch.cat([stored[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    got = attn.qkv_proj.dequantized()
+    assert ((got - want).abs() <= want.abs().amax(1, keepdim=True) / 16).all()
+    assert not torch.equal(got, want)
+
+
+def test_a_fused_layer_with_only_some_pieces_in_float8_is_refused(original, tmp_path):
+    blocks = _per_block(32)
+    ckpt = _checkpoint(original, tmp_path / "partial", _block_config(32),
+                       lambda n, w: {n: w} if "k_proj" in n else blocks(n, w))
+    with pytest.raises(ValueError, match="only some of"):
+        make_engine(ckpt, quantization="fp8_block")

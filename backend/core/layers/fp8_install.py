@@ -59,7 +59,8 @@ def install_fp8(model: nn.Module, quantization: str, scales: dict | None = None)
              if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in KEEP]
     for name in names:
         linear = model.get_submodule(name)
-        pieces = _piece_names(name, model._stacked)
+        # a fused layer stored fused (Phi-3's qkv_proj) is its own one piece
+        pieces = [name] if name in scales else _piece_names(name, model._stacked)
         found = [scales.pop(p) for p in pieces if p in scales]
         if len(found) not in (0, len(pieces)):
             raise ValueError(f"float8 checkpoint: only some of {pieces} are stored in float8")
@@ -86,16 +87,17 @@ def from_checkpoint(linear: nn.Linear, pieces: list) -> nn.Module | None:
     kinds = {p.kind for p in pieces}
     weight = linear.weight.detach().to(FP8_DTYPE)  # exact: float8 values, stored wider
     bias = None if linear.bias is None else linear.bias.detach()
+    device = weight.device  # the scales were read on the host
     if kinds <= {"tensor", "channel"}:
-        return Fp8Linear(weight, torch.cat([p.per_row() for p in pieces]), bias)
+        return Fp8Linear(weight, torch.cat([p.per_row() for p in pieces]).to(device), bias)
     if kinds != {"block"} or len({p.block for p in pieces}) != 1:
         return None
     block_rows, group = pieces[0].block
     if all(p.rows % block_rows == 0 for p in pieces[:-1]):
         grid = torch.cat([p.scale for p in pieces])
-        return Fp8BlockLinear(weight, grid, bias, (block_rows, group))
+        return Fp8BlockLinear(weight, grid.to(device), bias, (block_rows, group))
     rows = torch.cat([p.scale.repeat_interleave(block_rows, 0)[:p.rows] for p in pieces])
-    return Fp8BlockLinear(weight, rows, bias, (1, group))
+    return Fp8BlockLinear(weight, rows.to(device), bias, (1, group))
 
 
 def _piece_names(name: str, stacked) -> list[str]:
