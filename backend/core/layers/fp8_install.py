@@ -24,7 +24,7 @@ stays in the model dtype (the LM head) but was stored in float8 is dequantized i
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -38,6 +38,13 @@ logger = logging.getLogger(__name__)
 KEEP = ("lm_head",)  # linear layers that stay in the model dtype (fp8_linear.py: why)
 
 
+class Installed(NamedTuple):
+    """How many float8 layers ``install_fp8`` made each way."""
+
+    from_checkpoint: int  # from a float8 checkpoint's own values and scales
+    quantized: int  # quantized at load
+
+
 def quantizer(quantization: str) -> Callable[[nn.Linear], nn.Module]:
     """The float8 layer an ``nn.Linear`` becomes at load under ``quantization``."""
     if quantization == "fp8":
@@ -47,14 +54,13 @@ def quantizer(quantization: str) -> Callable[[nn.Linear], nn.Module]:
     raise ValueError(f"no float8 layers for quantization {quantization!r}")
 
 
-def install_fp8(model: nn.Module, quantization: str, scales: dict | None = None) -> dict:
+def install_fp8(model: nn.Module, quantization: str, scales: dict | None = None) -> Installed:
     """Replace the decoder's ``nn.Linear`` layers of a loaded ``model`` by float8 ones,
     one layer at a time (the peak memory is the model plus one layer). ``scales``: a
     float8 checkpoint's (``Float8Weights.scales``, by layer name); None for a checkpoint
-    in the model dtype. Returns how many layers each way: {"checkpoint": n,
-    "quantized": n}."""
+    in the model dtype."""
     scales = dict(scales or {})
-    counts = {"checkpoint": 0, "quantized": 0}
+    from_ckpt = quantized = 0
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in KEEP]
     for name in names:
@@ -68,17 +74,17 @@ def install_fp8(model: nn.Module, quantization: str, scales: dict | None = None)
         if layer is None:
             _dequantize_in_place(linear, found)
             layer = quantizer(quantization)(linear)
-            counts["quantized"] += 1
+            quantized += 1
         else:
-            counts["checkpoint"] += 1
+            from_ckpt += 1
         _swap(model, name, layer)
     modules = dict(model.named_modules())
     for name, stored in scales.items():  # float8 layers kept in the model dtype
         if name in modules:  # (the others, a tied head's, were not loaded)
             _dequantize_in_place(modules[name], [stored])
     logger.info("FP8 weights: %d linear layers from the checkpoint's float8, %d quantized "
-                "at load (%s)", counts["checkpoint"], counts["quantized"], quantization)
-    return counts
+                "at load (%s)", from_ckpt, quantized, quantization)
+    return Installed(from_ckpt, quantized)
 
 
 def from_checkpoint(linear: nn.Linear, pieces: list) -> nn.Module | None:

@@ -1,7 +1,8 @@
 """FP8 linear layers: float8 e4m3 weights with a scale per output channel.
 
-``quantize_linears`` swaps each ``nn.Linear`` of the decoder layers for an ``Fp8Linear``
-after the weights are loaded; the model classes call their projections as before
+``layers/fp8_install.py`` (or ``quantize_linears`` here) swaps each ``nn.Linear`` of the
+decoder layers for an ``Fp8Linear`` after the weights are loaded (or for the block-scaled
+``fp8_block_linear.Fp8BlockLinear``); the model classes call their projections as before
 (``basic.project`` or a module call) and never mention FP8. The LM head (an untied
 ``lm_head`` or the tied embedding) stays in the model's dtype: its logits feed sampling
 directly, and on small models it is a large share of the weights' error.
