@@ -80,6 +80,24 @@ def _case_gemm_no_rows():
     assert out.shape == (0, 40)
 
 
+def _case_layer_kernel_product(n, k, block, bias):
+    """The layer's CUDA product (group quantization, then the GEMM, as its forward calls
+    them) against the same quantized operands dequantized and multiplied in float32 (the
+    layer's CPU product quantizes with torch, whose float8 cast the interpreter's differs
+    from on a few values: test_fp8_kernels._cast_matches)."""
+    from torch import nn
+
+    from backend.core.kernels.fp8_block_gemm import group_quant
+    from backend.core.layers.fp8_block_linear import Fp8BlockLinear, emulated_block_mm
+    torch.manual_seed(n)
+    layer = Fp8BlockLinear.from_linear(nn.Linear(k, n, bias=bias), block)
+    rows = torch.randn(7, k) * 3
+    got = layer.kernel_product(rows)
+    want = emulated_block_mm(*group_quant(rows, block[1]), layer.weight, layer.weight_scale,
+                             block, layer.bias)
+    assert got.shape == (7, n) and (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def _case_model(prompt_len):
     """A tiny Llama with ``quantization="fp8_block"`` (128 x 128 blocks over 64-wide
     layers: one partial block each): with ``fuse_rows`` (as the runner sets it on CUDA)
@@ -125,6 +143,10 @@ CASES = {
     "gemm-grouped-tile-order": (_case_gemm, dict(m=70, n=150, k=260, block=(128, 128),
                                                  config=(16, 32, 2, 4, 2))),
     "gemm-no-rows": (_case_gemm_no_rows, {}),
+    "layer-kernel-product": (_case_layer_kernel_product, dict(n=200, k=300, block=(128, 128),
+                                                              bias=True)),
+    "layer-kernel-product-row-blocks": (_case_layer_kernel_product, dict(
+        n=70, k=100, block=(1, 32), bias=False)),
     "model-weight-only-rows": (_case_model, dict(prompt_len=2)),
     "model-one-row-more-w8a8": (_case_model, dict(prompt_len=3)),
 }

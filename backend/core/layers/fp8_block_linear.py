@@ -77,16 +77,21 @@ class Fp8BlockLinear(nn.Module):
             y = fp8_linear_rows(rows, self.weight, self.weight_scale, self.bias,
                                 block=self.group)
         elif x.is_cuda and self.kernel_fits():
-            from ..kernels.fp8_block_gemm import block_gemm, group_quant
-
-            xq, x_scale = group_quant(rows.contiguous(), self.group)
-            y = block_gemm(xq, x_scale, self.weight, self.weight_scale, self.block[0],
-                           self.group, x.dtype, self.bias)
+            y = self.kernel_product(rows)
         else:
             xq, x_scale = quantize_groups(rows, self.group)
             y = emulated_block_mm(xq, x_scale, self.weight, self.weight_scale, self.block,
                                   self.bias).to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The W8A8 product of rows [T, K] by the Triton kernels (CUDA; the interpreter
+        elsewhere): the activations quantized per token and group, then the GEMM."""
+        from ..kernels.fp8_block_gemm import block_gemm, group_quant
+
+        xq, x_scale = group_quant(rows.contiguous(), self.group)
+        return block_gemm(xq, x_scale, self.weight, self.weight_scale, self.block[0],
+                          self.group, rows.dtype, self.bias)
 
     def kernel_fits(self) -> bool:
         """Whether the Triton GEMM takes this layer: its K steps are one group wide, and
