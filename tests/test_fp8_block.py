@@ -253,3 +253,24 @@ def test_a_fused_layer_with_only_some_pieces_in_float8_is_refused(original, tmp_
                        lambda n, w: {n: w} if "k_proj" in n else blocks(n, w))
     with pytest.raises(ValueError, match="only some of"):
         make_engine(ckpt, quantization="fp8_block")
+
+
+def test_a_compressed_tensors_block_checkpoint_loads_as_stored(original, tmp_path):
+    qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized",
+               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                   "num_bits": 8, "type": "float", "strategy": "block", "symmetric": True,
+                   "dynamic": False, "block_structure": [32, 32]}}},
+               "ignore": ["lm_head"]}
+    blocks = _per_block(32)
+
+    def convert(name, weight):  # compressed-tensors names the block grid weight_scale
+        return {n.replace("weight_scale_inv", "weight_scale"): t
+                for n, t in blocks(name, weight).items()}
+
+    ckpt = _checkpoint(original, tmp_path / "ct", qconfig, convert)
+    stored = load_file(ckpt / "model.safetensors")
+    down = make_engine(ckpt, quantization="fp8_block").runner.model.layers[0].mlp.down_proj
+    name = "model.layers.0.mlp.down_proj"
+    assert isinstance(down, Fp8BlockLinear) and down.block == (32, 32)
+    assert torch.equal(_bytes(down.weight), _bytes(stored[f"{name}.weight"]))
+    assert torch.equal(down.weight_scale, stored[f"{name}.weight_scale"])
