@@ -26,9 +26,16 @@ ODD = ((3, 200, 300, (128, 128), False), (33, 130, 257, (1, 128), True),
 CHECKED_ROWS = (3, 32, 128, 1024)
 TIMED_ROWS = (1, 32, 128, 1024)
 SWEEP_ROWS = (32, 128, 1024)
-# (BLOCK_M, BLOCK_N, GROUP_M, warps, stages)
+# (BLOCK_M, BLOCK_N, GROUP_M, warps, stages), each tried where its row tile is no
+# taller than twice the batch (``_sweep_configs``)
 SWEEP = [(bm, bn, 8, w, s) for bm in (16, 32, 64, 128) for bn in (32, 64, 128)
-         for w in (4, 8) for s in (3, 4) if bm * bn <= 128 * 128]
+         for w in (4, 8) for s in (3, 4)]
+
+
+def _sweep_configs(m: int, default) -> list[tuple]:
+    """The default config first, then the sweep's that fit ``m`` rows."""
+    fits = [c for c in SWEEP if c[0] <= max(16, 2 * m) and (m < 512 or c[0] >= 64)]
+    return list(dict.fromkeys([tuple(default), *fits]))
 
 
 def check_block(device: str, sweep: bool = True) -> dict:
@@ -146,7 +153,7 @@ def _time(device, out, sweep: bool) -> None:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
                 xq, x_scale = group_quant(x, 128)
                 grid = []
-                for config in dict.fromkeys([tuple(default_config(m, n)), *SWEEP]):
+                for config in _sweep_configs(m, default_config(m, n)):
                     try:
                         us = time_graph([lambda lay=lay, c=config: block_gemm(
                             xq, x_scale, lay.weight, lay.weight_scale, 128, 128,
