@@ -1,9 +1,9 @@
 """Block-scaled FP8 products (W8A8): float8 weights with a scale per block of the weight,
 activations quantized per token and per group of input columns as they arrive.
 
-The layout of DeepSeek-V3's FP8 checkpoints (and of every block-scaled one since): a
-weight wq [N, K] in float8 e4m3 with one float32 scale per ``block_n`` x ``group``
-block (128 x 128 as published), and activations with one scale per token per ``group``
+The layout of DeepSeek-V3's FP8 checkpoints (transformers' ``fp8`` quantization with a
+``weight_block_size``): a weight wq [N, K] in float8 e4m3 with one float32 scale per
+``block_n`` x ``group`` block (128 x 128 as published), and activations with one scale per token per ``group``
 columns (1 x 128), so every ``group``-wide slice of K has a single scale on each side:
 
             K:   | group 0        | group 1        | ...  | last group (K % group wide) |

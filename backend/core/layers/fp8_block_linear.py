@@ -1,7 +1,6 @@
 """Block-scaled FP8 linear layers: float8 e4m3 weights with a scale per 128 x 128 block.
 
-The scheme of DeepSeek-V3 and of the FP8 checkpoints published since: the weight
-[N, K] holds one scale per ``block_n`` x ``group`` block (``block``, 128 x 128 by
+The scheme of DeepSeek-V3's FP8 checkpoints: the weight [N, K] holds one scale per ``block_n`` x ``group`` block (``block``, 128 x 128 by
 default), and each token's activations are quantized as they arrive with one scale per
 ``group`` columns (dynamic, 1 x 128). A block scale follows the weights' local range
 where one scale per output channel must cover the whole row, and an activation group
