@@ -3,8 +3,9 @@ activations quantized per token and per group of input columns as they arrive.
 
 The layout of DeepSeek-V3's FP8 checkpoints (transformers' ``fp8`` quantization with a
 ``weight_block_size``): a weight wq [N, K] in float8 e4m3 with one float32 scale per
-``block_n`` x ``group`` block (128 x 128 as published), and activations with one scale per token per ``group``
-columns (1 x 128), so every ``group``-wide slice of K has a single scale on each side:
+``block_n`` x ``group`` block (128 x 128 as published), and activations with one scale
+per token per ``group`` columns (1 x 128), so every ``group``-wide slice of K has a
+single scale on each side:
 
             K:   | group 0        | group 1        | ...  | last group (K % group wide) |
     x[m, :]       x_scale[m, 0]    x_scale[m, 1]           x_scale[m, G-1]

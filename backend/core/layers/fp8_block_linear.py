@@ -1,13 +1,14 @@
 """Block-scaled FP8 linear layers: float8 e4m3 weights with a scale per 128 x 128 block.
 
-The scheme of DeepSeek-V3's FP8 checkpoints: the weight [N, K] holds one scale per ``block_n`` x ``group`` block (``block``, 128 x 128 by
-default), and each token's activations are quantized as they arrive with one scale per
-``group`` columns (dynamic, 1 x 128). A block scale follows the weights' local range
-where one scale per output channel must cover the whole row, and an activation group
-keeps an outlier column from flattening the rest of its token. The product, with the
-scale grids of ``kernels/fp8_block_gemm.py``:
+The scheme of DeepSeek-V3's FP8 checkpoints: the weight [N, K] holds one scale per
+``block_n`` x ``group`` block (``block``, 128 x 128 by default), and each token's
+activations are quantized as they arrive with one scale per ``group`` columns (dynamic,
+1 x 128). A block scale follows the weights' local range where one scale per output
+channel must cover the whole row, and an activation group keeps an outlier column from
+flattening the rest of its token. The product, with the scale grids of
+``kernels/fp8_block_gemm.py``:
 
-    y[t, n] = sum_g x_scale[t, g] * w_scale[n // block_n, g] * (xq[t, g] . wq[n, g])  (+ bias)
+    y[t, n] = sum_g x_scale[t, g] * w_scale[n // block_n, g] * (xq[t, g] . wq[n, g])  (+ b)
 
 On CUDA that is the Triton kernel of ``kernels/fp8_block_gemm.py`` (a float8 tensor-core
 product per group). Decode batches of up to ``WEIGHT_ONLY_ROWS`` rows with ``fuse_rows``
