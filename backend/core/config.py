@@ -10,7 +10,8 @@ if TYPE_CHECKING:
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 RADIX_EVICTION_POLICIES = ("adaptive", "lru")  # see eviction.py
 DTYPES = ("float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "fp8")  # of the linear layers' weights (layers/fp8_linear.py)
+# of the linear layers' weights (layers/fp8_linear.py, layers/fp8_block_linear.py)
+QUANTIZATIONS = ("none", "fp8", "fp8_block")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # "auto": the model's dtype (memory_pool.py)
 KV_CACHE_SCALES = ("calibrate", "unit")
 # the largest decode batch captured by default (start-up time grows with each size)
@@ -34,9 +35,12 @@ class EngineConfig:
     # alone (speed work on real model shapes without multi-GB weight files)
     load_format: str = "auto"
     # "fp8": the decoder's linear layers hold float8 e4m3 weights with one scale per
-    # output channel (quantized at load, or read as they are from an FP8 checkpoint);
-    # activations are quantized per token as they arrive. The embeddings, the LM head
-    # and the norms keep ``dtype``. "none": every weight in ``dtype``.
+    # output channel, quantized at load; activations are quantized per token as they
+    # arrive. "fp8_block": one scale per 128 x 128 block of weights instead, and per
+    # token and 128 columns of activations. An FP8 checkpoint is read as it is stored
+    # under either (its float8 values and its own per-tensor, per-channel or block
+    # scales; layers/fp8_install.py). The embeddings, the LM head and the norms keep
+    # ``dtype``. "none": every weight in ``dtype`` (an FP8 checkpoint dequantized).
     quantization: str = "none"
 
     # tensor parallelism: the model's heads, MLP and vocabulary split over this many

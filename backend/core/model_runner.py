@@ -8,7 +8,7 @@ slots everywhere (the scheduler's slot numbers mean the same on every rank).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -29,7 +29,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DEFAULT_CPU_KV_TOKENS = 32768
 
 
-Weights = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+class Weights(Protocol):
+    """A checkpoint's tensors (``loaders.Checkpoint.weights``): ``float8=True`` gives a
+    float8 checkpoint's as stored (float8 weights and their scales), else dequantized."""
+
+    def __call__(self, float8: bool = False) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class StepPeers(Protocol):
@@ -97,6 +101,7 @@ class ModelRunner:
         for module in model.modules():  # to_empty wiped the rotary tables: float32 again
             if isinstance(module, RotaryEmbedding):
                 module.fill_tables(self.device)
+        float8_scales = None  # a float8 checkpoint's scales, by layer
         if self.config.load_format == "dummy" and self.tp.size == 1:
             _init_dummy(model, self.config.seed)
         elif self.config.load_format == "dummy":  # the one-rank values, cut to shards
@@ -107,20 +112,35 @@ class ModelRunner:
                 from .loaders import open_checkpoint
 
                 self.weights = open_checkpoint(self.config.model_path).weights
-            model.load_weights(self.weights())
-        if self.config.quantization == "none" and getattr(self.hf_config, "quantization_config", None):
-            logger.warning("an FP8 checkpoint served in %s (quantization=none); set "
-                           "quantization=fp8 to keep its weights in float8", self.config.dtype)
-        if self.config.quantization == "fp8":
-            from .layers.fp8_linear import quantize_linears
+            float8_scales = self._load_weights(model)
+        if self.config.quantization != "none":
+            from .layers.fp8_install import install_fp8
 
-            logger.info("FP8 weights: %d linear layers quantized", quantize_linears(model))
+            install_fp8(model, self.config.quantization, float8_scales)
         model.eval()
         if self.device.type == "cuda" and self.config.enable_fused_gemv:
             for module in model.modules():
                 if hasattr(module, "fuse_rows"):
                     module.fuse_rows = True
         return model
+
+    def _load_weights(self, model: torch.nn.Module) -> dict | None:
+        """Copy the checkpoint into ``model``. A float8 checkpoint with float8 layers
+        asked for: its float8 weights go in unscaled and their scales come back, by
+        layer (``loaders/fp8_checkpoint.Float8Weights``); None otherwise."""
+        from .loaders.fp8_checkpoint import Float8Weights, fp8_scheme
+
+        scheme = fp8_scheme(self.hf_config)
+        if scheme is None or self.config.quantization == "none":
+            if scheme is not None:
+                logger.warning("an FP8 checkpoint served in %s (quantization=none); set "
+                               "quantization=fp8 to keep its weights in float8",
+                               self.config.dtype)
+            model.load_weights(self.weights())
+            return None
+        float8 = Float8Weights(scheme)
+        model.load_weights(float8.stream(self.weights(float8=True)))
+        return float8.scales
 
     def _kv_pool_size(self) -> int:
         """Slots in the KV pool: the same on every rank (the smallest that fits)."""

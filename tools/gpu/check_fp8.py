@@ -2,8 +2,9 @@
 
 Decode speed and quality of bf16 vs FP8 weights vs FP8 KV vs both:
 
-    python3 tools/gpu/check_fp8.py --out $OUT [--smollm2 DIR] [--parts kernels,gemm,speed,quality]
-        [--settings bf16,fp8_weights] [--batches 1] [--speed-models llama-8b] [--no-sweep]
+    python3 tools/gpu/check_fp8.py --out $OUT [--smollm2 DIR]
+        [--parts kernels,block,gemm,speed,quality] [--settings bf16,fp8_weights,fp8_block]
+        [--batches 1] [--speed-models llama-8b] [--no-sweep]
 
 * kernels: the float8 KV stores (store_kv, the fused rotary store, the decode kernel's
   own store) give the bytes ``KVPool.store`` gives, exactly; attention over a float8
@@ -13,6 +14,10 @@ Decode speed and quality of bf16 vs FP8 weights vs FP8 KV vs both:
   sweep (``fp8_gemv_checks.py``; ``--no-sweep`` skips the sweep), and a 2-layer
   8B-shaped FP8 model's decode step through them is closer to its dequantized
   reference than through W8A8.
+* block: the block-scaled FP8 kernels (128 x 128 weight blocks, activations per token
+  and 128 columns) against torch, each 8B projection timed as bf16, per-channel and
+  block FP8 at 1/32/128/1024 rows, and a tile sweep of the block GEMM
+  (``fp8_block_checks.py``; ``--no-sweep`` skips the sweep).
 * gemm: time of one projection of Llama-3.1-8B's shapes at 1/32/128/1024 tokens, bf16
   ``F.linear`` vs ``Fp8Linear`` (weight-only kernels at 1 token, per-token
   quantization + ``_scaled_mm`` above), the choice ``layers/fp8_linear.py`` explains.
@@ -42,6 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 SETTINGS = {"bf16": {}, "fp8_weights": {"quantization": "fp8"},
+            "fp8_block": {"quantization": "fp8_block"},
             "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
             "both": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}}
 BATCHES = (1, 32, 128)
@@ -202,7 +208,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--smollm2", default=None, help="a Hugging Face folder of SmolLM2-135M")
-    ap.add_argument("--parts", default="kernels,gemm,speed,quality")
+    ap.add_argument("--parts", default="kernels,block,gemm,speed,quality")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="speed: engine settings")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="speed: batch sizes")
     ap.add_argument("--speed-models", default="llama-8b,smollm2")
@@ -247,6 +253,15 @@ def main(argv=None) -> int:
                                                              args.device)
         ok = report["kernels"]["ok"] and gemv["ok"] and model["ok"]
         save("kernels", started)
+    if "block" in parts:
+        started = time.perf_counter()
+        from tools.gpu.fp8_block_checks import check_block
+
+        report["block"] = block = check_block(args.device, sweep=not args.no_sweep)
+        for failure in block["failures"]:
+            print("FAIL fp8 block", failure, flush=True)
+        ok = ok and block["ok"]
+        save("block", started)
     if "gemm" in parts:
         started = time.perf_counter()
         report["gemm"] = time_gemm(args.device)

@@ -7,15 +7,18 @@ math order, so CPU results match the reference implementations exactly.
 Small decode batches go further when ``fuse_rows`` is set (the model runner sets it on
 CUDA): the norm before a projection and the SiLU-and-mul before the down projection run
 as the prologue of a matrix-vector kernel (``kernels/gemv.py``; for FP8 layers,
-``kernels/fp8_gemv.py`` through ``Fp8Linear``), one launch per projection instead of
-two."""
+``kernels/fp8_gemv.py`` through ``Fp8Linear`` and ``Fp8BlockLinear``), one launch per
+projection instead of two."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8_block_linear import Fp8BlockLinear
 from .fp8_linear import Fp8Linear
+
+FP8_LINEARS = (Fp8Linear, Fp8BlockLinear)  # the float8 layers, one call interface
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -77,7 +80,7 @@ class RMSNorm(nn.Module):
         x + residual)``, i.e. ``forward`` followed by the projection."""
         if self.fuse_rows and rows_fusable(x, self.weight, proj.weight, proj.bias):
             return self.linear_weight(proj.weight, proj.bias, x, residual)
-        if (self.fuse_rows and isinstance(proj, Fp8Linear) and proj.rows_fusable(x)
+        if (self.fuse_rows and isinstance(proj, FP8_LINEARS) and proj.rows_fusable(x)
                 and self.weight.dtype == x.dtype):
             return proj.rmsnorm_linear(x, residual, self.weight, self.eps)
         normed, residual = (self(x), x) if residual is None else self(x, residual)
@@ -130,7 +133,7 @@ class GatedMLP(nn.Module):
             from ..kernels.gemv import silu_mul_linear_rows
 
             return silu_mul_linear_rows(gate_up, self.down_proj.weight)
-        if (self.fuse_rows and isinstance(self.down_proj, Fp8Linear)
+        if (self.fuse_rows and isinstance(self.down_proj, FP8_LINEARS)
                 and self.down_proj.rows_fusable(gate_up)):
             return self.down_proj.silu_mul_linear(gate_up)
         if gate_up.is_cuda:

@@ -1,7 +1,8 @@
 """FP8 linear layers: float8 e4m3 weights with a scale per output channel.
 
-``quantize_linears`` swaps each ``nn.Linear`` of the decoder layers for an ``Fp8Linear``
-after the weights are loaded; the model classes call their projections as before
+``layers/fp8_install.py`` (or ``quantize_linears`` here) swaps each ``nn.Linear`` of the
+decoder layers for an ``Fp8Linear`` after the weights are loaded (or for the block-scaled
+``fp8_block_linear.Fp8BlockLinear``); the model classes call their projections as before
 (``basic.project`` or a module call) and never mention FP8. The LM head (an untied
 ``lm_head`` or the tied embedding) stays in the model's dtype: its logits feed sampling
 directly, and on small models it is a large share of the weights' error.
@@ -161,11 +162,11 @@ def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> 
 
 
 def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every ``Fp8Linear`` of ``model`` by an ``nn.Linear`` holding its
-    ``dequantized(dtype)`` weight (``dtype``: the model's): the weight-only products
-    computed by torch, exact in a float32 model, the reference the FP8 matrix-vector
-    kernels are checked against and whose quality ``tools/fp8_quality.py`` measures.
-    Returns how many were replaced."""
+    """Replace every ``Fp8Linear`` and ``Fp8BlockLinear`` of ``model`` by an
+    ``nn.Linear`` holding its ``dequantized(dtype)`` weight (``dtype``: the model's): the
+    weight-only products computed by torch, exact in a float32 model, the reference the
+    FP8 matrix-vector kernels are checked against and whose quality
+    ``tools/fp8_quality.py`` measures. Returns how many were replaced."""
     def to_linear(fp8: Fp8Linear) -> nn.Linear:
         linear = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None,
                            device=fp8.weight.device, dtype=dtype)
@@ -175,7 +176,10 @@ def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
                 linear.bias.copy_(fp8.bias)
         return linear
 
-    names = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
+    from .fp8_block_linear import Fp8BlockLinear
+
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, (Fp8Linear, Fp8BlockLinear))]
     return _replace(model, names, to_linear)
 
 

@@ -50,8 +50,10 @@ class Checkpoint(ABC):
         """The transformers config (``architectures`` picks our model class)."""
 
     @abstractmethod
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face parameter name, tensor) for every stored tensor."""
+    def weights(self, float8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face parameter name, tensor) for every stored tensor, in float32 or
+        the stored dtype. A float8 checkpoint's weights come dequantized, or with
+        ``float8`` as stored, each with its scale tensor (``fp8_checkpoint.py``)."""
 
     @abstractmethod
     def tokenizer(self):
@@ -73,13 +75,13 @@ class HFFolder(Checkpoint):
         fp8_scheme(config)  # refuses a quantization the loader cannot read, up front
         return config
 
-    def weights(self):
+    def weights(self, float8: bool = False):
         from .fp8_checkpoint import dequantized, fp8_scheme
         from .torch_files import iter_weights, weight_files
 
         weights = iter_weights(weight_files(self.path))
         scheme = fp8_scheme(self.config)
-        return weights if scheme is None else dequantized(weights, scheme)
+        return weights if scheme is None or float8 else dequantized(weights, scheme)
 
     def tokenizer(self):
         from transformers import AutoTokenizer
@@ -118,7 +120,7 @@ class GGUFCheckpoint(Checkpoint):
 
         return hf_config(self.header)
 
-    def weights(self):
+    def weights(self, float8: bool = False):  # GGUF holds no float8 weights
         from .gguf_model import hf_weights
 
         return hf_weights(self.header, self.config)
