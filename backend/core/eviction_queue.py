@@ -75,16 +75,16 @@ class CandidateHeap:
         self.members: dict[TreeNode, None] = {}
         self.heap: list[Entry] = []
         self.epoch: Hashable | None = None  # every entry scored in it; None: rebuild
-        self._pending: dict[TreeNode, None] = {}  # members to push at the next prepare
+        self.pending: dict[TreeNode, None] = {}  # members to push at the next prepare
 
     def add(self, node: TreeNode) -> None:
         """``node`` may be a candidate: pushed (if it is) at the next ``prepare``."""
         self.members[node] = None
-        self._pending[node] = None
+        self.pending[node] = None
 
     def discard(self, node: TreeNode) -> None:
         self.members.pop(node, None)
-        self._pending.pop(node, None)
+        self.pending.pop(node, None)
 
     def prepare(self, epoch: Hashable | None, entry: Callable[[TreeNode], Entry]) -> list[Entry]:
         """The heap, with an entry of every candidate scored now (``entry``): the pending
@@ -95,10 +95,10 @@ class CandidateHeap:
             self.heap = [entry(n) for n in self.members]
             heapq.heapify(self.heap)
         else:
-            for node in self._pending:
+            for node in self.pending:
                 if self.is_candidate(node):
                     heapq.heappush(self.heap, entry(node))
-        self._pending = {}
+        self.pending = {}
         self.epoch = epoch
         return self.heap
 
@@ -110,7 +110,7 @@ class CandidateHeap:
             self.epoch = None  # scored in two epochs: the next prepare rebuilds
 
     def reset(self) -> None:
-        self.members, self.heap, self.epoch, self._pending = {}, [], None, {}
+        self.members, self.heap, self.epoch, self.pending = {}, [], None, {}
 
 
 class EvictionCandidates:
@@ -131,17 +131,24 @@ class EvictionCandidates:
     def refresh(self) -> None:
         """Bring the candidates up to date with the touches so far (an eviction starts)."""
         dirty, self._dirty = self._dirty, {}
-        for node in dirty:
+        device, host = self.device, self.host
+        new_tokens = self.new_tokens
+        for node in dirty:  # (the hot loop of an eviction: the predicates inlined)
             node.stamp += 1
-            counted = len(node.key) * (bool(node.value) + bool(node.host)) \
-                if node.uses < 2 else 0
-            self.new_tokens += counted - node.counted
+            value, blocks = node.value, node.host
+            counted = len(node.key) * (bool(value) + bool(blocks)) if node.uses < 2 else 0
+            new_tokens += counted - node.counted
             node.counted = counted
-            for tier in (self.device, self.host):
-                if tier.is_candidate(node):
-                    tier.add(node)
-                else:
-                    tier.discard(node)
+            unlocked = not node.lock_ref
+            if value and unlocked and not any(c.value for c in node.children.values()):
+                device.add(node)  # device_candidate
+            elif node in device.members:
+                device.discard(node)
+            if blocks and unlocked and (value or not node.children):
+                host.add(node)  # host_candidate
+            elif node in host.members:
+                host.discard(node)
+        self.new_tokens = new_tokens
 
     def entry(self, node: TreeNode, priority: float) -> Entry:
         return (priority, -node.last_access, next(self._seq), node.stamp, node)
@@ -157,8 +164,7 @@ class EvictionCandidates:
               entry: Callable[[TreeNode], Entry]) -> None:
         """Integrity against a walk of the tree's ``nodes``: the never-reused tokens, and
         every candidate a member with a live entry (or one pending), ranked as ``entry``
-        ranks it now where its heap is of ``epoch``."""
-        self.refresh()
+        ranks it now where its heap is of ``epoch``; call after ``refresh``."""
         new = sum(len(n.key) * (bool(n.value) + bool(n.host)) for n in nodes if n.uses < 2)
         assert new == self.new_tokens, f"never-reused tokens {self.new_tokens} != {new}"
         for tier in (self.device, self.host):
@@ -170,7 +176,7 @@ class EvictionCandidates:
                 if not tier.is_candidate(node):
                     continue
                 assert node in tier.members, "a candidate missing from its tier"
-                if tier.epoch is None or node in tier._pending:
+                if tier.epoch is None or node in tier.pending:
                     continue  # rebuilt, or pushed, at the next prepare
                 assert node in live, "a candidate without a live heap entry"
                 if tier.epoch == epoch:

@@ -5,7 +5,10 @@ Each edge holds a run of token ids and where the KV of those tokens lives: devic
 requests (and in-flight loads) whose path passes through it; only unlocked nodes can
 leave a tier, leaves of that tier first, in the order of the eviction policy
 (``eviction.py``). A parent becomes a candidate when its last child of the tier is gone,
-so shared trunks outlive the branches that hang off them.
+so shared trunks outlive the branches that hang off them. The candidates wait in one heap
+per tier (``eviction_queue.py``), not found by walking the tree: every change of what a
+node's rank or candidacy reads (recency, use statistics, edge, slots, host copy, lock,
+children) calls ``candidates.touch(node)``.
 
 Tiers (``tiers.py`` moves KV between them)::
 
