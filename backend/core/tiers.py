@@ -58,8 +58,14 @@ class TierMover:
             return index.entry(node, policy.priority(node, now, crowded))
 
         def push(tier: CandidateHeap, node: TreeNode) -> None:
-            # scored now: the model may have learned from a drop since the eviction began
-            tier.push(entry(node), policy.score_epoch(now, crowded))
+            if last_victim:
+                # nothing more is popped in this eviction: the node waits unscored for
+                # the next one, which scores it then (the same rank if nothing moved) or
+                # rebuilds the heap
+                tier.add(node)
+            else:
+                # scored now: the model may have learned from a drop since the start
+                tier.push(entry(node), policy.score_epoch(now, crowded))
 
         def push_host(node: TreeNode) -> None:
             push(index.host, node)
@@ -67,11 +73,13 @@ class TierMover:
         heap = index.device.prepare(policy.score_epoch(now, crowded), entry)
         host_heap: list | None = None
         freed = 0
+        last_victim = False
         while freed < num_tokens and heap:
             prio, _, _, stamp, leaf = heapq.heappop(heap)
             if stamp != leaf.stamp or not device_candidate(leaf):
                 continue  # stale, or queued twice (a trimmed head is also its tail's parent)
             keep = len(leaf.key) - (num_tokens - freed)
+            last_victim = freed + len(leaf.key) >= num_tokens
             if keep > 0 and policy.trims:
                 # only the tail that is needed goes; the head stays cached as a leaf
                 upper = cache._split(leaf, keep)
