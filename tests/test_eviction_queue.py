@@ -249,3 +249,20 @@ def test_adaptive_heap_is_rescored_when_the_model_moves():
     cache.evict(1)
     assert set(untouched) <= set(scored)
     cache.check_integrity()
+
+
+def test_integrity_check_catches_a_change_the_heaps_were_not_told_of():
+    cache = RadixCache(KVSlotAllocator(64), LRUPolicy())
+    for first in range(1, 5):
+        cache.insert([first, 0, 0, 0], cache.slots.alloc(4))
+    cache.evict(4)
+    cache.check_integrity()
+    leaf = cache.root.children[3]
+    leaf.last_access += 100  # a rank read changed without a touch
+    with pytest.raises(AssertionError, match="stale rank"):
+        cache.check_integrity()
+    cache.candidates.touch(leaf)
+    cache.check_integrity()
+    del cache.candidates.device.members[leaf]  # a candidate lost from its tier
+    with pytest.raises(AssertionError, match="missing"):
+        cache.check_integrity()
