@@ -160,6 +160,8 @@ class AdaptivePolicy(EvictionPolicy):
         # bumped whenever the learned model (odds, gap shapes) may change: the ranks of
         # all nodes move with it (score_epoch)
         self.version = 0
+        self._memo_epoch: tuple[int, int] | None = None  # (version, now) of _memo
+        self._memo: dict[tuple[int, float, int], tuple[float, float]] = {}
 
     # ---------------------------------------------------------------- ranking
     def score_epoch(self, now: int, crowded: bool) -> Hashable | None:
@@ -168,13 +170,28 @@ class AdaptivePolicy(EvictionPolicy):
 
     def priority(self, node: NodeStats, now: int, crowded: bool = False) -> float:
         first = node.uses < 2
-        survival, remaining = self._gap_model(node.uses).tail(
-            now - node.last_use, node.gap, _own_count(node.uses))
-        p = self.odds.probability(node.uses) * survival
-        p = p / (p + 1.0 - self.odds.probability(node.uses))  # not back yet: less likely
+        p, remaining = self._back_and_wait(node.uses, node.gap, node.last_use, now)
         cost = 1.0 + (node.depth + len(node.key) / 2) / ATTENTION_DEPTH
         density = p * cost / max(remaining, 1e-9)
         return density - PROBATION_RANK if crowded and first else density
+
+    def _back_and_wait(self, uses: int, gap: float, last_use: int,
+                       now: int) -> tuple[float, float]:
+        """(P(used again), expected wait if so) of a prefix with these statistics.
+        Remembered until the model or the clock moves: the edges of one chat's path share
+        their statistics (a next turn inherits them, and every later turn uses them all),
+        so an eviction ranking many of them computes this once."""
+        if self._memo_epoch != (self.version, now):
+            self._memo_epoch, self._memo = (self.version, now), {}
+        key = (uses, gap, last_use)
+        found = self._memo.get(key)
+        if found is None:
+            survival, remaining = self._gap_model(uses).tail(now - last_use, gap,
+                                                             _own_count(uses))
+            p = self.odds.probability(uses) * survival
+            p = p / (p + 1.0 - self.odds.probability(uses))  # not back yet: less likely
+            found = self._memo[key] = (p, remaining)
+        return found
 
     # ---------------------------------------------------------------- learning
     def on_use(self, node: NodeStats, now: int) -> None:
