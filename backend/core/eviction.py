@@ -160,7 +160,8 @@ class AdaptivePolicy(EvictionPolicy):
         # bumped whenever the learned model (odds, gap shapes) may change: the ranks of
         # all nodes move with it (score_epoch)
         self.version = 0
-        self._memo_epoch: tuple[int, int] | None = None  # (version, now) of _memo
+        self._gaps_version = 0  # bumped when the gap models learn (a part of version)
+        self._memo_epoch: tuple[int, int] | None = None  # (_gaps_version, now) of _memo
         self._memo: dict[tuple[int, float, int], tuple[float, float]] = {}
 
     # ---------------------------------------------------------------- ranking
@@ -170,27 +171,26 @@ class AdaptivePolicy(EvictionPolicy):
 
     def priority(self, node: NodeStats, now: int, crowded: bool = False) -> float:
         first = node.uses < 2
-        p, remaining = self._back_and_wait(node.uses, node.gap, node.last_use, now)
+        survival, remaining = self._tail(node.uses, node.gap, node.last_use, now)
+        p = self.odds.probability(node.uses) * survival
+        p = p / (p + 1.0 - self.odds.probability(node.uses))  # not back yet: less likely
         cost = 1.0 + (node.depth + len(node.key) / 2) / ATTENTION_DEPTH
         density = p * cost / max(remaining, 1e-9)
         return density - PROBATION_RANK if crowded and first else density
 
-    def _back_and_wait(self, uses: int, gap: float, last_use: int,
-                       now: int) -> tuple[float, float]:
-        """(P(used again), expected wait if so) of a prefix with these statistics.
-        Remembered until the model or the clock moves: the edges of one chat's path share
-        their statistics (a next turn inherits them, and every later turn uses them all),
-        so an eviction ranking many of them computes this once."""
-        if self._memo_epoch != (self.version, now):
-            self._memo_epoch, self._memo = (self.version, now), {}
+    def _tail(self, uses: int, gap: float, last_use: int, now: int) -> tuple[float, float]:
+        """(P(not back yet), expected wait if so) of a prefix with these statistics, from
+        its gap model. Remembered until the gap models learn or the clock moves (a drop
+        changes the reuse odds only): the edges of one chat's path share their statistics
+        (a next turn inherits them, every later turn uses them all), and an eviction that
+        ranks the host's copies again after a drop finds their tails unchanged."""
+        if self._memo_epoch != (self._gaps_version, now):
+            self._memo_epoch, self._memo = (self._gaps_version, now), {}
         key = (uses, gap, last_use)
         found = self._memo.get(key)
         if found is None:
-            survival, remaining = self._gap_model(uses).tail(now - last_use, gap,
-                                                             _own_count(uses))
-            p = self.odds.probability(uses) * survival
-            p = p / (p + 1.0 - self.odds.probability(uses))  # not back yet: less likely
-            found = self._memo[key] = (p, remaining)
+            found = self._memo[key] = self._gap_model(uses).tail(now - last_use, gap,
+                                                                 _own_count(uses))
         return found
 
     # ---------------------------------------------------------------- learning
@@ -236,6 +236,7 @@ class AdaptivePolicy(EvictionPolicy):
         by default, a ghost's when the node brings a dropped prefix back)."""
         weight = self._weight(len(node.key) if tokens is None else tokens)
         self.version += 1
+        self._gaps_version += 1
         self.gaps[_group(uses)].observe(observed, gap, _own_count(uses), weight)
         self.all_gaps.observe(observed, gap, _own_count(uses), weight)
         node.gap = observed if uses < 2 else gap + (observed - gap) / _own_count(uses)
