@@ -136,10 +136,11 @@ def test_retraction_frees_the_newest_request_and_requeues_it_first():
     assert a in s.running
 
 
-def test_a_full_pool_is_not_walked_for_leaves_every_decode_step(monkeypatch):
+def test_a_full_pool_is_not_evicted_from_every_decode_step(monkeypatch):
     # The pool full of cached sequences of 10 tokens; each decode step takes 8 slots. An
-    # eviction frees a share of the pool (least recently used leaves first), so the tree
-    # walk that finds the leaves runs once per many steps, not once per step.
+    # eviction frees a share of the pool (least recently used leaves first), so its fixed
+    # cost (re-ranking the candidates touched since the last one) is paid once per many
+    # steps, not once per step.
     s = make(pool=65536)
     slots, cache = s.slots, s.cache
     rng, seqs = random.Random(21), []
@@ -148,14 +149,14 @@ def test_a_full_pool_is_not_walked_for_leaves_every_decode_step(monkeypatch):
         taken = slots.alloc(len(seq))
         slots.free(taken[:cache.insert(seq, taken)])  # what was there stays the tree's
         seqs.append(seq)
-    walks = []
-    survey = cache.tiers._survey
-    monkeypatch.setattr(cache.tiers, "_survey", lambda: walks.append(1) or survey())
+    evictions = []  # (each refreshes the candidates first)
+    refresh = cache.candidates.refresh
+    monkeypatch.setattr(cache.candidates, "refresh", lambda: evictions.append(1) or refresh())
     taken = []
     for _ in range(100):
         assert s.can_fit(8)
         taken += s.take_slots(8)
-    assert 1 <= len(walks) <= 100 * 8 // (slots.size // 256) + 1, len(walks)
+    assert 1 <= len(evictions) <= 100 * 8 // (slots.size // 256) + 1, len(evictions)
     # least recently used first: the earliest inserted went, the latest are still found
     assert len(cache.match_prefix(seqs[0]).kv_indices) < 10  # (a shared first token may stay)
     assert len(cache.match_prefix(seqs[-1]).kv_indices) == 10

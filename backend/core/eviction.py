@@ -48,7 +48,7 @@ child leaves), and the tree enforces that: a policy only orders candidates.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Hashable, Protocol
 
 from .config import RADIX_EVICTION_POLICIES
 from .gap_model import GapModel
@@ -109,6 +109,12 @@ class EvictionPolicy(ABC):
         """Lower is evicted first. ``crowded``: never-reused prefixes hold more than
         ``probation_share`` of the cache."""
 
+    def score_epoch(self, now: int, crowded: bool) -> Hashable | None:
+        """What ``priority`` reads besides the node: equal epochs give an unchanged node
+        the same priority (eviction_queue.py keeps a heap alive while its epoch holds).
+        None: unknown, every node is scored again at each eviction."""
+        return None
+
     def knows(self, key: GhostKey) -> bool:
         """Whether ``key`` is a prefix dropped recently (a ghost)."""
         return False
@@ -131,6 +137,9 @@ class LRUPolicy(EvictionPolicy):
     def priority(self, node: NodeStats, now: int, crowded: bool = False) -> float:
         return node.last_access
 
+    def score_epoch(self, now: int, crowded: bool) -> Hashable | None:
+        return 0  # the rank is the node's own recency: time-invariant
+
 
 class AdaptivePolicy(EvictionPolicy):
     """Hit density from learned reuse odds and gap shapes (module doc)."""
@@ -148,17 +157,41 @@ class AdaptivePolicy(EvictionPolicy):
         self.gaps = [GapModel() for _ in range(len(GROUP_BOUNDS) + 1)]
         self.all_gaps = GapModel()  # read by a group that has seen few gaps yet
         self.mean_tokens = float(capacity_tokens) / 64  # typical tokens of a node observed
+        # bumped whenever the learned model (odds, gap shapes) may change: the ranks of
+        # all nodes move with it (score_epoch)
+        self.version = 0
+        self._gaps_version = 0  # bumped when the gap models learn (a part of version)
+        self._memo_epoch: tuple[int, int] | None = None  # (_gaps_version, now) of _memo
+        self._memo: dict[tuple[int, float, int], tuple[float, float]] = {}
 
     # ---------------------------------------------------------------- ranking
+    def score_epoch(self, now: int, crowded: bool) -> Hashable | None:
+        # a node's rank reads its age (now), the model and the probation offset
+        return (self.version, now, crowded)
+
     def priority(self, node: NodeStats, now: int, crowded: bool = False) -> float:
         first = node.uses < 2
-        survival, remaining = self._gap_model(node.uses).tail(
-            now - node.last_use, node.gap, _own_count(node.uses))
+        survival, remaining = self._tail(node.uses, node.gap, node.last_use, now)
         p = self.odds.probability(node.uses) * survival
         p = p / (p + 1.0 - self.odds.probability(node.uses))  # not back yet: less likely
         cost = 1.0 + (node.depth + len(node.key) / 2) / ATTENTION_DEPTH
         density = p * cost / max(remaining, 1e-9)
         return density - PROBATION_RANK if crowded and first else density
+
+    def _tail(self, uses: int, gap: float, last_use: int, now: int) -> tuple[float, float]:
+        """(P(not back yet), expected wait if so) of a prefix with these statistics, from
+        its gap model. Remembered until the gap models learn or the clock moves (a drop
+        changes the reuse odds only): the edges of one chat's path share their statistics
+        (a next turn inherits them, every later turn uses them all), and an eviction that
+        ranks the host's copies again after a drop finds their tails unchanged."""
+        if self._memo_epoch != (self._gaps_version, now):
+            self._memo_epoch, self._memo = (self._gaps_version, now), {}
+        key = (uses, gap, last_use)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = self._gap_model(uses).tail(now - last_use, gap,
+                                                                 _own_count(uses))
+        return found
 
     # ---------------------------------------------------------------- learning
     def on_use(self, node: NodeStats, now: int) -> None:
@@ -175,6 +208,7 @@ class AdaptivePolicy(EvictionPolicy):
         node.last_use = now
         parent = node.parent
         if ghost is not None:
+            self.version += 1
             self.odds.undropped(ghost.uses, ghost.num_tokens / self.mean_tokens)
             self._reuse(node, ghost.uses, ghost.gap, now - ghost.last_use, ghost.num_tokens)
         elif parent.ends_path:
@@ -193,6 +227,7 @@ class AdaptivePolicy(EvictionPolicy):
         # the ghost's tokens include the edges below, each counted when it was dropped)
         self.odds.dropped(node.uses, len(node.key) / self.mean_tokens)
         self.ghosts.remember(key, ghost)
+        self.version += 1
 
     def _reuse(self, node: NodeStats, uses: int, gap: float, observed: int,
                tokens: int | None = None) -> None:
@@ -200,6 +235,8 @@ class AdaptivePolicy(EvictionPolicy):
         ``observed`` ticks; ``tokens``: what the observation stands for (the node's own
         by default, a ghost's when the node brings a dropped prefix back)."""
         weight = self._weight(len(node.key) if tokens is None else tokens)
+        self.version += 1
+        self._gaps_version += 1
         self.gaps[_group(uses)].observe(observed, gap, _own_count(uses), weight)
         self.all_gaps.observe(observed, gap, _own_count(uses), weight)
         node.gap = observed if uses < 2 else gap + (observed - gap) / _own_count(uses)

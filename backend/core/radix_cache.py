@@ -5,7 +5,10 @@ Each edge holds a run of token ids and where the KV of those tokens lives: devic
 requests (and in-flight loads) whose path passes through it; only unlocked nodes can
 leave a tier, leaves of that tier first, in the order of the eviction policy
 (``eviction.py``). A parent becomes a candidate when its last child of the tier is gone,
-so shared trunks outlive the branches that hang off them.
+so shared trunks outlive the branches that hang off them. The candidates wait in one heap
+per tier (``eviction_queue.py``), not found by walking the tree: every change of what a
+node's rank or candidacy reads (recency, use statistics, edge, slots, host copy, lock,
+children) calls ``candidates.touch(node)``.
 
 Tiers (``tiers.py`` moves KV between them)::
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import itertools
 
 from .eviction import EvictionPolicy, LRUPolicy, ghost_key
+from .eviction_queue import EvictionCandidates
 from .host_tier import HostBlockAllocator, HostCopy
 from .kv_allocator import KVSlotAllocator
 from .radix_node import MatchResult, TreeNode
@@ -53,6 +57,9 @@ class RadixCache:
         self.host_size = 0  # tokens with a host copy
         # host matches shorter than this count as misses (recomputed, not loaded)
         self.host_load_min_tokens = host_load_min_tokens
+        # each tier's eviction candidates: every change of a node that its rank or its
+        # candidacy reads must ``touch`` it (eviction_queue.py)
+        self.candidates = EvictionCandidates()
         self.tiers = TierMover(self)
 
     @property
@@ -80,6 +87,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = next(self._clock)
+            self.candidates.touch(child)
             if child.value:
                 matched.extend(child.value)
                 device_node = child
@@ -124,6 +132,7 @@ class RadixCache:
         now = self.use_clock
         while node is not self.root:
             self.policy.on_use(node, now)
+            self.candidates.touch(node)
             node = node.parent
 
     def insert(self, token_ids: list[int], kv_indices: list[int]) -> int:
@@ -144,6 +153,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = next(self._clock)
+            self.candidates.touch(child)
             if not child.value:
                 present = i if present is None else present
                 self._set_device(child, list(kv_indices[i:i + n]))
@@ -163,6 +173,8 @@ class RadixCache:
             # already ticked the clock in record_use)
             self.use_clock += 1
         self.policy.on_create(leaf, key, self.use_clock)
+        self.candidates.touch(leaf)
+        self.candidates.touch(parent)  # no longer a device leaf
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; returns the new upper node."""
@@ -178,11 +190,15 @@ class RadixCache:
         child.value = child.value[n:]
         child.host = child.host[n:]
         child.depth += n
+        self.candidates.touch(upper)
+        self.candidates.touch(child)
         return upper
 
     def _set_device(self, node: TreeNode, slots: list[int]) -> None:
         """A host-only node gets device slots (a load or an adoption)."""
         node.value = slots
+        self.candidates.touch(node)
+        self.candidates.touch(node.parent)  # no longer a device leaf
         if node.lock_ref:
             self.protected_size += len(slots)
         else:
@@ -191,9 +207,11 @@ class RadixCache:
     # ---------------------------------------------------------------- pinning
     def lock(self, node: TreeNode) -> None:
         while node is not self.root:
-            if node.lock_ref == 0 and node.value:
-                self.evictable_size -= len(node.key)
-                self.protected_size += len(node.key)
+            if node.lock_ref == 0:
+                self.candidates.touch(node)
+                if node.value:
+                    self.evictable_size -= len(node.key)
+                    self.protected_size += len(node.key)
             node.lock_ref += 1
             node = node.parent
 
@@ -201,9 +219,11 @@ class RadixCache:
         while node is not self.root:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
-            if node.lock_ref == 0 and node.value:
-                self.protected_size -= len(node.key)
-                self.evictable_size += len(node.key)
+            if node.lock_ref == 0:
+                self.candidates.touch(node)
+                if node.value:
+                    self.protected_size -= len(node.key)
+                    self.evictable_size += len(node.key)
             node = node.parent
 
     # ---------------------------------------------------------------- tiers
@@ -241,6 +261,7 @@ class RadixCache:
                 self.host.free(node.host)
         self.root.children = {}
         self.evictable_size = self.protected_size = self.host_size = 0
+        self.candidates.reset()
 
     def _nodes(self) -> list[TreeNode]:
         out, stack = [], list(self.root.children.values())
@@ -259,7 +280,9 @@ class RadixCache:
 
     def check_integrity(self) -> None:
         evictable = protected = host = 0
-        for node in self._nodes():
+        nodes = self._nodes()
+        self.tiers.check_candidates(nodes)
+        for node in nodes:
             n = len(node.key)
             assert n > 0, "empty edge"
             assert len(node.value) in (0, n) and len(node.host) in (0, n), "ragged edge"

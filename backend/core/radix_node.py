@@ -6,7 +6,8 @@ from typing import NamedTuple
 
 class TreeNode:
     __slots__ = ("key", "value", "host", "children", "parent", "lock_ref", "last_access",
-                 "uses", "last_use", "gap", "depth", "loading", "ends_path")
+                 "uses", "last_use", "gap", "depth", "loading", "ends_path",
+                 "stamp", "counted")
 
     def __init__(self, key: list[int], value: list[int], parent: "TreeNode | None",
                  last_access: int, depth: int = 0) -> None:
@@ -25,6 +26,10 @@ class TreeNode:
         # a request's path ended here (the policy marks new leaves; the upper part of a
         # split is not an end): a leaf created below it continues that request
         self.ends_path = False
+        # eviction_queue.py: bumped when the node's rank or candidacy may have changed
+        # (older heap entries of it are stale), and the tokens it counts as never reused
+        self.stamp = 0
+        self.counted = 0
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap tie-break
         return self.last_access < other.last_access

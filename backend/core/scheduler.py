@@ -33,8 +33,9 @@ from .radix_cache import RadixCache
 from .request import Req, ReqStatus
 
 # an eviction frees at least this share of the pool (1/EVICT_SHARE): the lowest-ranked
-# leaves, which would soon go anyway. Each eviction walks the tree and plans the saves
-# to the host tier: with a 1/256 share a multi-turn chat evicted every other step
+# leaves, which would soon go anyway. Each eviction has a fixed cost (it ranks again the
+# candidates touched since the last one and plans the saves to the host tier as one
+# batch): with a 1/256 share a multi-turn chat evicted every other step
 EVICT_SHARE = 64
 
 
@@ -253,8 +254,8 @@ class Scheduler:
         """``n`` slots, evicting first what is short; the caller checked ``can_fit``."""
         short = n - self.slots.available_size()
         if short > 0:
-            # an eviction walks the whole tree for its leaves: once the pool is full of
-            # cache, evicting just what one step needs would walk it every step
+            # an eviction has a fixed cost: once the pool is full of cache, evicting just
+            # what one step needs would pay it every step
             self.cache.evict(max(short, self.slots.size // EVICT_SHARE))
         return self.slots.alloc(n)
 

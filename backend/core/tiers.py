@@ -10,14 +10,18 @@ the order the device side must run them (``take_copies``).
 
 A node is a host candidate when it is unlocked and has a host copy, and either is also
 on the device (dropping the copy loses nothing the device lacks) or has no children (a
-host-only leaf; dropping it removes the node).
+host-only leaf; dropping it removes the node). Both tiers' candidates come from
+``eviction_queue.EvictionCandidates`` (kept up to date by the tree's touches), not from
+a walk of the tree.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+from typing import Callable
 
 from .eviction import ghost_key
+from .eviction_queue import CandidateHeap, device_candidate, host_candidate
 from .host_tier import HostCopy, HostLoad, HostSave
 from .radix_node import MatchResult, TreeNode
 
@@ -28,7 +32,6 @@ class TierMover:
         self._copies: list[HostCopy] = []
         self._tickets = itertools.count(1)
         self._loads: dict[int, TreeNode] = {}  # ticket -> deepest node it fills
-        self._seq = itertools.count()  # heap tie-break after priority and recency
         # totals since start (Engine.stats)
         self.saved_tokens = 0
         self.loaded_tokens = 0
@@ -44,77 +47,83 @@ class TierMover:
     # ------------------------------------------------------------------ device eviction
     def evict(self, num_tokens: int) -> int:
         cache = self.cache
+        policy, index = cache.policy, cache.candidates
         now = cache.use_clock
-        leaves, host_nodes, crowded = self._survey()
-        heap = [self._entry(n, now, crowded) for n in leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
+        index.refresh()
+        crowded = self.crowded()
+
+        def entry(node: TreeNode) -> tuple:
+            # equal priority: the most recently used goes first (what was there stays;
+            # LRU's priorities are all distinct)
+            return index.entry(node, policy.priority(node, now, crowded))
+
+        def push(tier: CandidateHeap, node: TreeNode) -> None:
+            if last_victim:
+                # nothing more is popped in this eviction: the node waits unscored for
+                # the next one, which scores it then (the same rank if nothing moved) or
+                # rebuilds the heap
+                tier.add(node)
+            else:
+                # scored now: the model may have learned from a drop since the start
+                tier.push(entry(node), policy.score_epoch(now, crowded))
+
+        def push_host(node: TreeNode) -> None:
+            push(index.host, node)
+
+        heap = index.device.prepare(policy.score_epoch(now, crowded), entry)
         host_heap: list | None = None
         freed = 0
+        last_victim = False
         while freed < num_tokens and heap:
-            prio, _, _, leaf = heapq.heappop(heap)
-            if not leaf.value or any(c.value for c in leaf.children.values()):
-                continue  # queued twice (a trimmed head is also its tail's parent)
+            prio, _, _, stamp, leaf = heapq.heappop(heap)
+            if stamp != leaf.stamp or not device_candidate(leaf):
+                continue  # stale, or queued twice (a trimmed head is also its tail's parent)
             keep = len(leaf.key) - (num_tokens - freed)
-            if keep > 0 and cache.policy.trims:
+            last_victim = freed + len(leaf.key) >= num_tokens
+            if keep > 0 and policy.trims:
                 # only the tail that is needed goes; the head stays cached as a leaf
                 upper = cache._split(leaf, keep)
-                heapq.heappush(heap, self._entry(upper, now, crowded))
+                push(index.device, upper)
             freed += len(leaf.value)
             cache.evictable_size -= len(leaf.key)
             if cache.host is not None and not leaf.host and self._loadable(leaf):
                 # the host's candidates are ranked only once the host is full: ranking
                 # every host copy costs more than the rest of an eviction
                 if host_heap is None and not cache.host.can_alloc(len(leaf.key)):
-                    host_heap = [self._entry(n, now, crowded) for n in host_nodes
-                                 if _host_candidate(n)]
-                    heapq.heapify(host_heap)
-                if self._make_host_room(len(leaf.key), prio, host_heap or [], crowded):
+                    host_heap = index.host.prepare(policy.score_epoch(now, crowded), entry)
+                if self._make_host_room(len(leaf.key), prio,
+                                        host_heap if host_heap is not None else [], push_host):
                     self._save(leaf)
             cache.slots.free(leaf.value)
             leaf.value = []
+            index.touch(leaf)
             parent = leaf.parent
             if leaf.host:
                 if host_heap is None:
-                    host_nodes.append(leaf)  # a candidate if the heap is built later
+                    index.host.add(leaf)  # a candidate if the heap is built later
                 elif not leaf.children:
-                    heapq.heappush(host_heap, self._entry(leaf, now, crowded))
+                    push_host(leaf)
             else:
                 self._drop_subtree(leaf, now)
-            if (parent is not cache.root and parent.lock_ref == 0
-                    and not any(c.value for c in parent.children.values())):
-                heapq.heappush(heap, self._entry(parent, now, crowded))
+            if parent is not cache.root and device_candidate(parent):
+                push(index.device, parent)
         return freed
 
-    def _entry(self, node: TreeNode, now: int, crowded: bool) -> tuple:
-        # equal priority: the most recently used goes first (what was there stays; LRU's
-        # priorities are all distinct)
-        return (self.cache.policy.priority(node, now, crowded), -node.last_access,
-                next(self._seq), node)
+    def crowded(self) -> bool:
+        """Whether never-reused prefixes hold more than the policy's probation share of
+        what is cached (either tier); the candidates must be refreshed."""
+        cache = self.cache
+        total = cache.evictable_size + cache.protected_size + cache.host_size
+        return cache.candidates.new_tokens > cache.policy.probation_share * total
 
-    def _survey(self) -> tuple[list[TreeNode], list[TreeNode], bool]:
-        """One walk of the tree: the device leaves, the nodes with a host copy, and
-        whether never-reused prefixes hold more than their share of what is cached."""
-        leaves, host_nodes = [], []
-        new = total = 0
-        stack = list(self.cache.root.children.values())
-        pop, push = stack.pop, stack.extend
-        while stack:  # (the hot loop of an eviction: one pass, few calls)
-            node = pop()
-            children = node.children
-            n = 0
-            if node.value:
-                n = len(node.key)
-                if not children or not any(c.value for c in children.values()):
-                    leaves.append(node)
-            if node.host:
-                n += len(node.key)
-                host_nodes.append(node)
-            if children:
-                push(children.values())
-            total += n
-            if node.uses < 2:
-                new += n
-        return leaves, host_nodes, new > self.cache.policy.probation_share * total
+    def check_candidates(self, nodes: list[TreeNode]) -> None:
+        """The candidate heaps against a walk of the tree (``RadixCache.check_integrity``)."""
+        cache = self.cache
+        cache.candidates.refresh()
+        now, crowded = cache.use_clock, self.crowded()
+        cache.candidates.check(nodes, cache.policy.score_epoch(now, crowded),
+                               lambda n: (cache.policy.priority(n, now, crowded),
+                                          -n.last_access))
 
     def _loadable(self, node: TreeNode) -> bool:
         """Whether a later load could bring back ``host_load_min_tokens`` with ``node``:
@@ -127,10 +136,12 @@ class TierMover:
         self._copies.append(HostSave(node.value, blocks))
         node.host = blocks
         self.cache.host_size += len(blocks)
+        self.cache.candidates.touch(node)
         self.saved_tokens += len(blocks)
 
     # ------------------------------------------------------------------ host eviction
-    def _make_host_room(self, n: int, victim_priority: float, heap: list, crowded: bool) -> bool:
+    def _make_host_room(self, n: int, victim_priority: float, heap: list,
+                        push_host: Callable[[TreeNode], None]) -> bool:
         """Free ``n`` host blocks by dropping host copies that rank below the victim;
         False (nothing dropped) when those are not enough."""
         host = self.cache.host
@@ -141,9 +152,9 @@ class TierMover:
         seen: set[int] = set()
         while gain < n and heap and heap[0][0] < victim_priority:
             entry = heapq.heappop(heap)
-            node = entry[3]
+            node = entry[4]
             # entries go stale as the tree changes, and a node may be queued twice
-            if _host_candidate(node) and id(node) not in seen:
+            if entry[3] == node.stamp and host_candidate(node) and id(node) not in seen:
                 seen.add(id(node))
                 taken.append(entry)
                 gain += len(node.host)
@@ -153,20 +164,21 @@ class TierMover:
             return False
         now = self.cache.use_clock
         for *_, node in taken:
-            self._drop_host(node, now, heap, crowded)
+            self._drop_host(node, now, push_host)
         return True
 
-    def _drop_host(self, node: TreeNode, now: int, heap: list, crowded: bool) -> None:
+    def _drop_host(self, node: TreeNode, now: int, push_host: Callable[[TreeNode], None]) -> None:
         cache = self.cache
         cache.host.free(node.host)
         cache.host_size -= len(node.host)
         node.host = []
+        cache.candidates.touch(node)
         if node.value:
             return  # still on the device
         parent = node.parent
         self._forget(node, now)
-        if parent is not cache.root and _host_candidate(parent):
-            heapq.heappush(heap, self._entry(parent, now, crowded))
+        if parent is not cache.root and host_candidate(parent):
+            push_host(parent)
 
     def _drop_subtree(self, node: TreeNode, now: int) -> None:
         """Remove ``node`` (KV on neither tier now) with the host-only nodes below it."""
@@ -188,6 +200,7 @@ class TierMover:
             cache.policy.on_drop(node, ghost_key(before, node.key, node.depth), now)
         if unlink:
             del node.parent.children[node.key[0]]
+        cache.candidates.touch(node)
 
     # ------------------------------------------------------------------ loads
     def start_load(self, match: MatchResult, slots: list[int]) -> int:
@@ -220,10 +233,6 @@ class TierMover:
             node.loading = 0
             node = node.parent
         self.cache.unlock(deepest)
-
-
-def _host_candidate(node: TreeNode) -> bool:
-    return bool(node.host) and node.lock_ref == 0 and (bool(node.value) or not node.children)
 
 
 def _tokens_before(node: TreeNode, root: TreeNode, want: int = 32) -> list[int]:
