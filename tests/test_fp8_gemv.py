@@ -1,7 +1,8 @@
 """The weight-only FP8 matrix-vector kernels (backend/core/kernels/fp8_gemv.py) on CPU
 via the Triton interpreter: each against the torch modules it replaces followed by
 ``F.linear`` with the dequantized weight, for per-channel and block scales, every fused
-prologue, 1..8 rows and dimensions that fit no tile; then an FP8 model whose small
+prologue, 1..8 rows, dimensions that fit no tile and K split over programs (the
+partial sums added by the last program of a tile); then an FP8 model whose small
 batches take them, against its weight-only reference in torch. Cases run in a worker
 subprocess (see interpreter_cases.py); half precision is fp16 here, bf16 is checked on
 the GPU by tools/gpu/fp8_gemv_checks.py. Last, the default tiles compile for the H200
@@ -110,6 +111,25 @@ def _case_refuses_nine_rows():
         fp8_linear_rows(torch.randn(9, 16), q, scale)
 
 
+def _case_counters_reused():
+    """A layer's counters serve every call: each split-K launch leaves them zero, and the
+    slices' sums are added in one order, so a repeated call gives the same bits."""
+    from backend.core.kernels.fp8_gemv import fp8_silu_mul_linear_rows, tile_counters
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles
+    q, scale, w, _ = _weights(40, 900, 0, 5)
+    counters = tile_counters(40, "cpu")
+    gate_up = torch.randn(2, 1800, generator=torch.Generator().manual_seed(2))
+    tiles = GemvTiles(block_n=8, block_k=128, warps=4, split=4)
+    first = fp8_silu_mul_linear_rows(gate_up, q, scale, config=tiles, counters=counters)
+    assert torch.equal(counters, torch.zeros(40, dtype=torch.int32))
+    again = fp8_silu_mul_linear_rows(gate_up, q, scale, config=tiles, counters=counters)
+    assert torch.equal(first, again)
+    assert torch.equal(counters, torch.zeros(40, dtype=torch.int32))
+    gate, up = gate_up.split(900, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    _check(first, torch.nn.functional.linear(act, w), torch.float32, act, w)
+
+
 def _case_model(arch, prompt_len):
     """An FP8 model's logits with its small batches on the kernels (``fuse_rows``, as the
     runner sets it on CUDA) against the same model with every Fp8Linear swapped for its
@@ -141,7 +161,8 @@ def _case_model(arch, prompt_len):
 
 
 CASES = {}
-_SHAPES = (  # (n, k, rows): one tile (k <= 4096) or 2048-wide chunks with a partial one
+_SHAPES = (  # (n, k, rows): one whole-row tile (k <= 1024), or K = 5000 in 1024-wide
+    # chunks (a partial one) cut into two slices by the default tiles
     (37, 48, 1), (130, 600, 3), (9, 5000, 2), (200, 300, 5), (70, 5000, 8))
 for _block in (0, 128):
     _tag = f"block{_block}" if _block else "channel"
@@ -163,19 +184,54 @@ for _block in (0, 128):
 # small scale blocks: several block rows, each spanning programs of 4 rows
 CASES["linear-block16-narrow-tiles"] = (_case_linear, dict(n=50, k=72, rows=2, block=16,
                                                            config=(4, 32, 4, 1)))
-# one row in pipelined chunks (the GPU's alternative tiles), every prologue
+# split K, explicit tiles: 16-output tiles over N = 70 (the last one partial), K = 600 in
+# 64-column chunks cut into 3 slices of 256, 256 and 88 columns; 1 and 2 rows, every
+# prologue, both scale layouts (32-wide blocks: two tiles a block row)
 for _name, _case, _extra in (("linear", _case_linear, {}),
+                             ("norm-linear", _case_norm_linear, dict(residual=False)),
                              ("add-norm-linear", _case_norm_linear, dict(residual=True)),
                              ("silu-linear", _case_silu_linear, {})):
     for _block in (0, 32):
-        CASES[f"{_name}-pipelined-chunks-block{_block}"] = (_case, dict(
-            n=40, k=600, rows=1, block=_block, config=(8, 128, 4, 3), **_extra))
+        for _rows in (1, 2):
+            CASES[f"{_name}-split3-block{_block}-r{_rows}"] = (_case, dict(
+                n=70, k=600, rows=_rows, block=_block, config=(16, 64, 4, 3), **_extra))
+# the default tiles where they split K (N small, K = 4100: 1024-column chunks, two slices)
+for _rows in (1, 2):
+    CASES[f"add-norm-linear-default-split-r{_rows}"] = (_case_norm_linear, dict(
+        n=48, k=4100, rows=_rows, block=0, residual=True))
+    CASES[f"silu-linear-default-split-r{_rows}"] = (_case_silu_linear, dict(
+        n=48, k=4100, rows=_rows, block=0))
+CASES["split-counters-are-zero-again-and-results-repeat"] = (_case_counters_reused, {})
 CASES["refuses-nine-rows"] = (_case_refuses_nine_rows, {})
 for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
     CASES[f"model-{_arch}-weight-only-rows"] = (
         _case_model, dict(arch=_arch, prompt_len=WEIGHT_ONLY_ROWS))
     CASES[f"model-{_arch}-one-row-more-w8a8"] = (
         _case_model, dict(arch=_arch, prompt_len=WEIGHT_ONLY_ROWS + 1))
+
+
+def test_the_8b_projections_split_k_where_the_grid_is_small():
+    """Llama-3.1-8B on an H200 (132 SMs): qkv, o and down (256-384 tiles of 16 outputs)
+    split K until about 4 programs an SM, every slice at least two 1024-column chunks;
+    gate/up at one row (3584 tiles of 8) keeps a whole row a program."""
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
+    assert choose_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 2)
+    assert choose_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2)
+    assert choose_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 3)
+    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (5120, 3)  # 5, 5 and 4 chunks
+    assert choose_tiles(28672, 4096, 1) == GemvTiles(8, 4096, 8, 1)
+    assert choose_tiles(28672, 4096, 2) == GemvTiles(16, 1024, 4, 1)  # 1792 tiles
+    assert choose_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 4, 3)
+    assert choose_tiles(4096, 14336, 2, sms=16) == GemvTiles(16, 1024, 4, 1)
+
+
+@pytest.mark.parametrize("k", [1, 64, 600, 1000, 4097, 14336])
+@pytest.mark.parametrize("split", [1, 2, 3, 5, 16])
+def test_k_slices_are_whole_chunks_that_cover_k_and_none_is_empty(k, split):
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, k_slice
+    per_slice, slices = k_slice(k, GemvTiles(8, 64, 4, split))
+    assert per_slice % 64 == 0 and 1 <= slices <= split
+    assert (slices - 1) * per_slice < k <= slices * per_slice
 
 
 def _layer(bias: bool = False):
@@ -235,7 +291,7 @@ if __name__ == "__main__":
     _worker()
 
 
-def _compile_for_h200(prologue, rows, config, block, k):
+def _compile_for_h200(prologue, rows, tiles, block, k):
     """The kernel compiled ahead of time for sm_90 (the H200) by the installed Triton and
     its ptxas, without a GPU; returns ptxas' resource line for it."""
     import os
@@ -247,22 +303,24 @@ def _compile_for_h200(prologue, rows, config, block, k):
     from triton.compiler import ASTSource
 
     from backend.core.kernels import fp8_gemv
-    block_n, block_k, warps, stages = config
+    from backend.core.kernels.fp8_gemv_tiles import k_slice
     pointers = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "W": "*fp8e4nv",
-                "Scale": "*fp32", "Bias": "*bf16", "Out": "*bf16", "ResOut": "*bf16"}
-    ints = dict.fromkeys(["N", "K", "stride_x", "stride_r", "stride_wn", "stride_sn",
-                          "scale_rows"], "i32")
+                "Scale": "*fp32", "Bias": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
+                "Partial": "*fp32", "Counts": "*i32"}
+    ints = dict.fromkeys(["N", "K", "k_slice", "stride_x", "stride_r", "stride_wn",
+                          "stride_sn", "scale_rows"], "i32")
     consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
-                  ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                  WHOLE_ROW=block_k >= k, STAGES=stages)
+                  ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n,
+                  BLOCK_K=tiles.block_k, SPLIT=k_slice(k, tiles)[1],
+                  WHOLE_ROW=tiles.block_k >= k)
     signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
     names = list(signature)
-    aligned = list(pointers) + ["N", "K", "stride_x", "stride_r", "stride_wn"]
+    aligned = list(pointers) + ["N", "K", "k_slice", "stride_x", "stride_r", "stride_wn"]
     source = ASTSource(fp8_gemv._fp8_gemv_kernel, signature,
                        {(names.index(c),): v for c, v in consts.items()},
                        {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps})
+                            options={"num_warps": tiles.warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
@@ -273,12 +331,16 @@ def _compile_for_h200(prologue, rows, config, block, k):
     return next(line for line in usage.splitlines() if "REG:" in line)
 
 
-@pytest.mark.parametrize("prologue, rows, block, k", [
-    (2, 1, 0, 4096), (0, 1, 128, 4096), (3, 1, 0, 14336), (2, 2, 128, 4096), (3, 8, 0, 14336)])
-def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, rows, block, k):
+@pytest.mark.parametrize("prologue, rows, block, n, k", [
+    (2, 1, 0, 6144, 4096), (2, 1, 0, 28672, 4096), (0, 1, 128, 4096, 4096),
+    (3, 1, 0, 4096, 14336), (2, 2, 128, 6144, 4096), (2, 2, 0, 28672, 4096),
+    (3, 2, 0, 4096, 14336), (3, 8, 0, 4096, 14336)])
+def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, rows, block,
+                                                                      n, k):
     """The interpreter cannot tell whether the GPU compiler takes a kernel: the 8B
-    shapes' default tiles (add-norm before qkv/gate_up, plain, SiLU before down) compile
-    for sm_90 and keep everything in registers (no local memory)."""
-    from backend.core.kernels.fp8_gemv import _config
-    usage = _compile_for_h200(prologue, rows, _config(4096, k, rows), block, k)
+    shapes' default tiles (add-norm before qkv/gate_up, plain, SiLU before down; whole
+    rows, chunks and split K) compile for sm_90 and keep everything in registers (no
+    local memory)."""
+    from backend.core.kernels.fp8_gemv_tiles import choose_tiles
+    usage = _compile_for_h200(prologue, rows, choose_tiles(n, k, rows), block, k)
     assert "LOCAL:0 " in usage, usage

@@ -1,0 +1,69 @@
+"""Tile sizes and the split of K for the FP8 matrix-vector kernels (``fp8_gemv.py``).
+
+A decode step's projection is bound by its weight bytes only while every SM keeps
+enough loads in flight until the last byte arrives. Two things break that:
+
+* too few programs: with one program per BLOCK_N outputs, N = 4096 gives 512 programs
+  of 32 KB, about two rounds of the 132 SMs' resident programs, each round requesting
+  its tiles at once, waiting for them, then computing while the bus idles;
+* a long serial K loop (14336 columns for the 8B down projection) that waits for each
+  chunk before requesting the next.
+
+So small grids split K: ``split`` programs share each BLOCK_N outputs, each streams one
+K slice in chunks of BLOCK_N x BLOCK_K (the next chunk requested before the current
+one is multiplied), and the slices' float32 partial sums are added in a fixed order by
+the last program to finish (``fp8_gemv.py`` says how). Large grids (the gate/up
+projection's 3584 programs) keep one whole row a program.
+
+The input prologue sets the chunk's shape. A thread holds 16-column strips of the
+chunk (16-byte loads) and computes the prologue (the norm's 10-15 instructions an input,
+SiLU's about 20, against about 8 a weight that an H200 SM can issue at 4.2 TB/s) once
+per strip it holds, whatever the rows of the strip: it costs ``16 * e / weights a
+thread holds`` a weight and input row. 16 x 1024 chunks at 4 warps give 128 weights a
+thread (e / 8); each chunk's products are summed at once, so the registers (about 180
+at one row, 240 at two: two programs an SM, each with two 16 KB chunks in flight) hold
+weights, not a float32 accumulator a weight. From 3 rows (the tool's timings only,
+``WEIGHT_ONLY_ROWS`` is 2) 8 x 1024, which keeps them under 255.
+``tools/gpu/fp8_gemv_checks.py --sweep`` times these choices against alternatives.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+
+H200_SMS = 132  # the SM count assumed off the GPU (interpreter tests take the H200's tiles)
+# from this many programs an SM (8 x K tiles) the grid already streams well with whole
+# rows (gate/up at 1 row: 27 programs an SM, 87% of the bandwidth)
+WHOLE_ROW_PROGRAMS_PER_SM = 12
+# split K until about this many programs an SM: two rounds of the two resident ones
+SPLIT_PROGRAMS_PER_SM = 4
+
+
+class GemvTiles(NamedTuple):
+    """One launch's tiling: BLOCK_N outputs by BLOCK_K inputs a chunk, ``warps`` warps
+    a program, K cut into ``split`` slices (one program each) per BLOCK_N outputs."""
+    block_n: int
+    block_k: int
+    warps: int
+    split: int = 1
+
+
+def choose_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
+    """The rule above for an [N, K] float8 weight and ``rows`` input rows on ``sms`` SMs."""
+    if rows == 1 and triton.cdiv(n, 8) >= WHOLE_ROW_PROGRAMS_PER_SM * sms:
+        # one 8 x K tile a program up to K = 4096 (else 8 x 2048 chunks), 8 warps
+        return GemvTiles(8, min(triton.next_power_of_2(k), 4096 if k <= 4096 else 2048), 8)
+    block_n = 16 if rows <= 2 else 8
+    block_k = min(triton.next_power_of_2(k), 1024)
+    tiles, chunks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    # each slice keeps at least two chunks (one in flight while the other is multiplied)
+    split = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles), max(1, chunks // 2))
+    return GemvTiles(block_n, block_k, 4, split)
+
+
+def k_slice(k: int, tiles: GemvTiles) -> tuple[int, int]:
+    """(columns a slice, slices): ``split`` slices of whole chunks covering K, the last
+    one shorter when K does not divide (never an empty slice)."""
+    per_slice = triton.cdiv(triton.cdiv(k, tiles.split), tiles.block_k) * tiles.block_k
+    return per_slice, triton.cdiv(k, per_slice)
