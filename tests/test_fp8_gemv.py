@@ -185,8 +185,9 @@ for _block in (0, 128):
 CASES["linear-block16-narrow-tiles"] = (_case_linear, dict(n=50, k=72, rows=2, block=16,
                                                            config=(4, 32, 4, 1)))
 # split K, explicit tiles: 16-output tiles over N = 70 (the last one partial), K = 600 in
-# 64-column chunks cut into 3 slices of 256, 256 and 88 columns; 1 and 2 rows, every
-# prologue, both scale layouts (32-wide blocks: two tiles a block row)
+# 64-column chunks cut into 3 slices of 256, 256 and 88 columns, the next chunk loaded
+# into registers (stages 1); 1 and 2 rows, every prologue, both scale layouts (32-wide
+# blocks: two tiles a block row)
 for _name, _case, _extra in (("linear", _case_linear, {}),
                              ("norm-linear", _case_norm_linear, dict(residual=False)),
                              ("add-norm-linear", _case_norm_linear, dict(residual=True)),
@@ -195,6 +196,10 @@ for _name, _case, _extra in (("linear", _case_linear, {}),
         for _rows in (1, 2):
             CASES[f"{_name}-split3-block{_block}-r{_rows}"] = (_case, dict(
                 n=70, k=600, rows=_rows, block=_block, config=(16, 64, 4, 3), **_extra))
+# the other way to keep chunks in flight: two ahead through shared memory (stages 3)
+for _rows in (1, 2):
+    CASES[f"add-norm-linear-split3-stages3-r{_rows}"] = (_case_norm_linear, dict(
+        n=70, k=600, rows=_rows, block=32, residual=True, config=(16, 64, 4, 3, 3)))
 # the default tiles where they split K (N small, K = 4100: 1024-column chunks, two slices)
 for _rows in (1, 2):
     CASES[f"add-norm-linear-default-split-r{_rows}"] = (_case_norm_linear, dict(
@@ -212,17 +217,18 @@ for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
 
 def test_the_8b_projections_split_k_where_the_grid_is_small():
     """Llama-3.1-8B on an H200 (132 SMs): qkv, o and down (256-384 tiles of 16 outputs)
-    split K until about 4 programs an SM, every slice at least two 1024-column chunks;
+    split K until about 6 programs an SM, every slice at least two 1024-column chunks;
     gate/up at one row (3584 tiles of 8) keeps a whole row a program."""
     from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
-    assert choose_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 2)
-    assert choose_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2)
-    assert choose_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 3)
-    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (5120, 3)  # 5, 5 and 4 chunks
+    assert choose_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
+    assert choose_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
+    assert choose_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 4, stages=3)
+    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (4096, 4)  # 4, 4, 4 and 2 chunks
     assert choose_tiles(28672, 4096, 1) == GemvTiles(8, 4096, 8, 1)
-    assert choose_tiles(28672, 4096, 2) == GemvTiles(16, 1024, 4, 1)  # 1792 tiles
-    assert choose_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 4, 3)
-    assert choose_tiles(4096, 14336, 2, sms=16) == GemvTiles(16, 1024, 4, 1)
+    assert choose_tiles(28672, 4096, 2) == GemvTiles(16, 1024, 8, 1, stages=3)  # 1792 tiles
+    assert choose_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 8, 4, stages=3)
+    assert choose_tiles(4096, 14336, 2, sms=16) == GemvTiles(16, 1024, 8, 1, stages=3)
+    assert choose_tiles(4096, 14336, 8) == GemvTiles(8, 1024, 4, 2, stages=3)
 
 
 @pytest.mark.parametrize("k", [1, 64, 600, 1000, 4097, 14336])
@@ -312,7 +318,7 @@ def _compile_for_h200(prologue, rows, tiles, block, k):
     consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
                   ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n,
                   BLOCK_K=tiles.block_k, SPLIT=k_slice(k, tiles)[1],
-                  WHOLE_ROW=tiles.block_k >= k)
+                  WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages)
     signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
     names = list(signature)
     aligned = list(pointers) + ["N", "K", "k_slice", "stride_x", "stride_r", "stride_wn"]

@@ -24,9 +24,21 @@ Scales, one of two layouts:
   ``x[k] * scale[n // block, k // block]``, before the products: one multiply per input
   column and program instead of one per weight.
 
-One program computes BLOCK_N outputs of every row: it requests its [BLOCK_N, BLOCK_K]
-weight slice first and computes the input rows while the loads are in flight; each
-weight tile, once in registers, serves all the rows.
+One program computes BLOCK_N outputs of every row over one slice of K (``split``
+slices; tiles and split from ``fp8_gemv_tiles.choose_tiles``): it streams its weight
+chunks with the next ones in flight and computes the input columns meanwhile; each
+weight chunk, once in registers, serves all the rows. With K split, the slices of a
+tile meet in a float32 workspace:
+
+    grid (N / BLOCK_N, split); program (t, s):
+      Partial[s, rows, t*BLOCK_N : (t+1)*BLOCK_N] = sums over slice s
+      barrier; arrived = atomic_add(Counts[t], 1)        (acquire-release, GPU scope)
+      arrived == split - 1 (the last):  out = sum over s' = 0..split-1 of Partial[s']
+                                        Counts[t] = 0
+
+The sum runs in slice order whichever program is last, so the bits do not depend on
+timing; Counts is the layer's and stays zero between launches, so a CUDA graph
+replays the launch as it is (Partial is written in full before it is read).
 """
 from __future__ import annotations
 
@@ -49,6 +61,7 @@ def _fp8_gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)  # this program's K slice: [k_lo, k_hi)
@@ -62,10 +75,12 @@ def _fp8_gemv_kernel(
     s_row = Scale + ((pid_n * BLOCK_N) // scale_rows) * stride_sn
     k_lo = pid_k * k_slice
     k_hi = tl.minimum(K, k_lo + k_slice)
-    # the first weight chunk is requested before anything else: in flight while the
-    # norm's pass over the input rows runs
-    kk = k_lo + rk
-    w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :], other=0.0)
+    if WHOLE_ROW or STAGES == 1:
+        # the first weight chunk is requested before anything else: in flight while the
+        # norm's pass over the input rows runs
+        kk = k_lo + rk
+        w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :],
+                    other=0.0)
     rstds = tl.zeros([ROWS_PAD], dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
         # pass 1: each row's sum of squares over all of K, whatever this program's slice;
@@ -84,13 +99,9 @@ def _fp8_gemv_kernel(
             rstds += tl.where(rows == m, rstd_m, 0.0)
     part = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
     if WHOLE_ROW:  # one chunk is all of K (BLOCK_K >= K, one slice): no loop to carry
-        kmask = rk < K
-        for m in tl.static_range(ROWS):
-            x = _row_input(X + m * stride_x, Res + m * stride_r, NormW, s_row, rk, kmask, K,
-                           rstds, rows, m, dtype, PROLOGUE, SCALE_BLOCK)
-            row = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            part += tl.where(rows[:, None] == m, row[None, :], 0.0)
-    else:
+        part = _chunk_products(part, w, X, Res, NormW, s_row, rk, rk < K, K, stride_x,
+                               stride_r, rstds, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS)
+    elif STAGES == 1:
         # each chunk's products are summed at once (no float32 accumulator a weight: the
         # registers go to weights in flight instead)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -99,12 +110,16 @@ def _fp8_gemv_kernel(
             nxt = kk + BLOCK_K  # the next chunk, in flight while this one is multiplied
             w_next = tl.load(w_rows + nxt[None, :], mask=nmask[:, None] & (nxt < k_hi)[None, :],
                              other=0.0)
-            for m in tl.static_range(ROWS):
-                x = _row_input(X + m * stride_x, Res + m * stride_r, NormW, s_row, kk, kmask,
-                               K, rstds, rows, m, dtype, PROLOGUE, SCALE_BLOCK)
-                row = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-                part += tl.where(rows[:, None] == m, row[None, :], 0.0)
+            part = _chunk_products(part, w, X, Res, NormW, s_row, kk, kmask, K, stride_x,
+                                   stride_r, rstds, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS)
             w = w_next
+    else:  # the alternative: STAGES - 1 chunks ahead through shared memory (async copies)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            kk = k0 + rk
+            kmask = kk < k_hi
+            w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            part = _chunk_products(part, w, X, Res, NormW, s_row, kk, kmask, K, stride_x,
+                                   stride_r, rstds, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS)
     if SPLIT == 1:
         _store_out(part, Scale, Bias, Out, rows, rn, nmask, N, ROWS, HAS_BIAS, SCALE_BLOCK)
     else:
@@ -124,6 +139,20 @@ def _fp8_gemv_kernel(
             tl.store(Counts + pid_n, 0)
             _store_out(total, Scale, Bias, Out, rows, rn, nmask, N, ROWS, HAS_BIAS,
                        SCALE_BLOCK)
+
+
+@triton.jit
+def _chunk_products(part, w, X, Res, NormW, s_row, kk, kmask, K, stride_x, stride_r, rstds,
+                    rows, dtype, PROLOGUE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                    ROWS: tl.constexpr):
+    """``part`` [ROWS_PAD, BLOCK_N] plus each row's products with the weight chunk ``w``
+    (columns kk), summed at once."""
+    for m in tl.static_range(ROWS):
+        x = _row_input(X + m * stride_x, Res + m * stride_r, NormW, s_row, kk, kmask, K,
+                       rstds, rows, m, dtype, PROLOGUE, SCALE_BLOCK)
+        row = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        part += tl.where(rows[:, None] == m, row[None, :], 0.0)
+    return part
 
 
 @triton.jit
@@ -206,7 +235,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         weight.stride(0), stride_sn, block or 1, float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None, SCALE_BLOCK=block or 0,
         ROWS=rows, ROWS_PAD=rows_pad, BLOCK_N=block_n, BLOCK_K=tiles.block_k, SPLIT=split,
-        WHOLE_ROW=tiles.block_k >= k, num_warps=tiles.warps,
+        WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages, num_warps=tiles.warps,
     )
     return out
 

@@ -10,20 +10,22 @@ enough loads in flight until the last byte arrives. Two things break that:
   chunk before requesting the next.
 
 So small grids split K: ``split`` programs share each BLOCK_N outputs, each streams one
-K slice in chunks of BLOCK_N x BLOCK_K (the next chunk requested before the current
-one is multiplied), and the slices' float32 partial sums are added in a fixed order by
-the last program to finish (``fp8_gemv.py`` says how). Large grids (the gate/up
-projection's 3584 programs) keep one whole row a program.
+K slice in chunks of BLOCK_N x BLOCK_K, two chunks ahead through shared memory (async
+copies: the chunks in flight take no registers, so about 80 registers a thread at one
+row and 6 programs an SM, each with 32 KB requested), and the slices' float32 partial
+sums are added in a fixed order by the last program to finish (``fp8_gemv.py`` says
+how). Large grids (the gate/up projection's 3584 programs at one row) keep one whole
+row a program, which reaches 87% of the bandwidth.
 
 The input prologue sets the chunk's shape. A thread holds 16-column strips of the
 chunk (16-byte loads) and computes the prologue (the norm's 10-15 instructions an input,
 SiLU's about 20, against about 8 a weight that an H200 SM can issue at 4.2 TB/s) once
 per strip it holds, whatever the rows of the strip: it costs ``16 * e / weights a
 thread holds`` a weight and input row. 16 x 1024 chunks at 4 warps give 128 weights a
-thread (e / 8); each chunk's products are summed at once, so the registers (about 180
-at one row, 240 at two: two programs an SM, each with two 16 KB chunks in flight) hold
-weights, not a float32 accumulator a weight. From 3 rows (the tool's timings only,
-``WEIGHT_ONLY_ROWS`` is 2) 8 x 1024, which keeps them under 255.
+thread (e / 8) at one row; at two rows 8 warps (64 weights a thread, e / 4), since
+the widened weights stay in registers for both rows (128 registers; 4 warps would take
+about 220). From 3 rows (the tool's timings only: ``WEIGHT_ONLY_ROWS`` is 2) 8 x 1024
+at 4 warps, under 160 registers at 8 rows.
 ``tools/gpu/fp8_gemv_checks.py --sweep`` times these choices against alternatives.
 """
 from __future__ import annotations
@@ -36,17 +38,21 @@ H200_SMS = 132  # the SM count assumed off the GPU (interpreter tests take the H
 # from this many programs an SM (8 x K tiles) the grid already streams well with whole
 # rows (gate/up at 1 row: 27 programs an SM, 87% of the bandwidth)
 WHOLE_ROW_PROGRAMS_PER_SM = 12
-# split K until about this many programs an SM: two rounds of the two resident ones
-SPLIT_PROGRAMS_PER_SM = 4
+# split K until about this many programs an SM: one round of the resident ones
+SPLIT_PROGRAMS_PER_SM = 6
 
 
 class GemvTiles(NamedTuple):
     """One launch's tiling: BLOCK_N outputs by BLOCK_K inputs a chunk, ``warps`` warps
-    a program, K cut into ``split`` slices (one program each) per BLOCK_N outputs."""
+    a program, K cut into ``split`` slices (one program each) per BLOCK_N outputs.
+    ``stages`` 1: the next chunk is loaded into registers while the current one is
+    multiplied; more: ``stages - 1`` chunks ahead through shared memory instead (async
+    copies, Triton's pipelining), an alternative for the sweep."""
     block_n: int
     block_k: int
     warps: int
     split: int = 1
+    stages: int = 1
 
 
 def choose_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
@@ -54,12 +60,12 @@ def choose_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
     if rows == 1 and triton.cdiv(n, 8) >= WHOLE_ROW_PROGRAMS_PER_SM * sms:
         # one 8 x K tile a program up to K = 4096 (else 8 x 2048 chunks), 8 warps
         return GemvTiles(8, min(triton.next_power_of_2(k), 4096 if k <= 4096 else 2048), 8)
-    block_n = 16 if rows <= 2 else 8
+    block_n, warps = {1: (16, 4), 2: (16, 8)}.get(rows, (8, 4))
     block_k = min(triton.next_power_of_2(k), 1024)
     tiles, chunks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    # each slice keeps at least two chunks (one in flight while the other is multiplied)
+    # each slice keeps at least two chunks (both requested before the first is multiplied)
     split = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles), max(1, chunks // 2))
-    return GemvTiles(block_n, block_k, 4, split)
+    return GemvTiles(block_n, block_k, warps, max(1, split), stages=3)
 
 
 def k_slice(k: int, tiles: GemvTiles) -> tuple[int, int]:
