@@ -318,7 +318,8 @@ def _compile_for_h200(prologue, rows, tiles, block, k):
     consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
                   ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n,
                   BLOCK_K=tiles.block_k, SPLIT=k_slice(k, tiles)[1],
-                  WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages)
+                  WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages,
+                  NORM_BLOCK=min(triton.next_power_of_2(k), 4096))
     signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
     names = list(signature)
     aligned = list(pointers) + ["N", "K", "k_slice", "stride_x", "stride_r", "stride_wn"]

@@ -61,7 +61,7 @@ def _fp8_gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, WHOLE_ROW: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)  # this program's K slice: [k_lo, k_hi)
@@ -85,10 +85,11 @@ def _fp8_gemv_kernel(
     if PROLOGUE == 1 or PROLOGUE == 2:
         # pass 1: each row's sum of squares over all of K, whatever this program's slice;
         # program (0, 0) writes the new residual
+        # (NORM_BLOCK columns a step, 4096: one L2 round trip a row for K <= 4096)
         for m in tl.static_range(ROWS):
-            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for j0 in range(0, K, BLOCK_K):
-                jj = j0 + rk
+            ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            for j0 in range(0, K, NORM_BLOCK):
+                jj = j0 + tl.arange(0, NORM_BLOCK)
                 jmask = jj < K
                 x = _input_chunk(X + m * stride_x, Res + m * stride_r, jj, jmask, K, PROLOGUE)
                 if PROLOGUE == 2:
@@ -235,7 +236,8 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         weight.stride(0), stride_sn, block or 1, float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None, SCALE_BLOCK=block or 0,
         ROWS=rows, ROWS_PAD=rows_pad, BLOCK_N=block_n, BLOCK_K=tiles.block_k, SPLIT=split,
-        WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages, num_warps=tiles.warps,
+        WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages,
+        NORM_BLOCK=min(triton.next_power_of_2(k), 4096), num_warps=tiles.warps,
     )
     return out
 
