@@ -215,20 +215,28 @@ for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
         _case_model, dict(arch=_arch, prompt_len=WEIGHT_ONLY_ROWS + 1))
 
 
-def test_the_8b_projections_split_k_where_the_grid_is_small():
-    """Llama-3.1-8B on an H200 (132 SMs): qkv, o and down (256-384 tiles of 16 outputs)
-    split K until about 6 programs an SM, every slice at least two 1024-column chunks;
-    gate/up at one row (3584 tiles of 8) keeps a whole row a program."""
+def test_the_8b_projections_split_k_to_fill_one_round_of_resident_programs():
+    """Llama-3.1-8B on an H200 (132 SMs, 5 resident programs an SM at one row, 2 at two):
+    o and down at one row (256 tiles of 16 outputs) split K in two, qkv (384 tiles)
+    would overflow the 660 slots and does not; gate/up at one row (3584 tiles of 8)
+    keeps a whole row a program; at two rows (264 slots) nothing splits."""
     from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
-    assert choose_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
     assert choose_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
-    assert choose_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 4, stages=3)
-    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (4096, 4)  # 4, 4, 4 and 2 chunks
+    assert choose_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
+    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (7168, 2)
+    assert choose_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 1, stages=3)
     assert choose_tiles(28672, 4096, 1) == GemvTiles(8, 4096, 8, 1)
-    assert choose_tiles(28672, 4096, 2) == GemvTiles(16, 1024, 8, 1, stages=3)  # 1792 tiles
-    assert choose_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 8, 4, stages=3)
-    assert choose_tiles(4096, 14336, 2, sms=16) == GemvTiles(16, 1024, 8, 1, stages=3)
-    assert choose_tiles(4096, 14336, 8) == GemvTiles(8, 1024, 4, 2, stages=3)
+    assert choose_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
+    assert choose_tiles(28672, 4096, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
+    assert choose_tiles(4096, 14336, 8) == GemvTiles(8, 1024, 4, 1, stages=3)
+
+
+def test_fewer_outputs_or_more_sms_split_k_further_but_never_below_two_chunks():
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles
+    assert choose_tiles(2048, 8192, 1) == GemvTiles(16, 1024, 4, 4, stages=3)  # 8 chunks
+    assert choose_tiles(2048, 8192, 2) == GemvTiles(16, 1024, 8, 2, stages=3)
+    assert choose_tiles(4096, 14336, 1, sms=264) == GemvTiles(16, 1024, 4, 5, stages=3)
+    assert choose_tiles(64, 2048, 1) == GemvTiles(16, 1024, 4, 1, stages=3)  # 2 chunks
 
 
 @pytest.mark.parametrize("k", [1, 64, 600, 1000, 4097, 14336])

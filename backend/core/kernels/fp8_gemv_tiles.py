@@ -9,10 +9,11 @@ enough loads in flight until the last byte arrives. Two things break that:
 * a long serial K loop (14336 columns for the 8B down projection) that waits for each
   chunk before requesting the next.
 
-So small grids split K: ``split`` programs share each BLOCK_N outputs, each streams one
-K slice in chunks of BLOCK_N x BLOCK_K, two chunks ahead through shared memory (async
-copies: the chunks in flight take no registers, so about 80 registers a thread at one
-row and 6 programs an SM, each with 32 KB requested), and the slices' float32 partial
+So every program streams its part of K in chunks of BLOCK_N x BLOCK_K, two chunks ahead
+through shared memory (async copies: the chunks in flight take no registers, so about
+80-96 registers a thread at one row and 5 programs an SM, each with 32 KB requested);
+and where the tiles of BLOCK_N outputs leave resident slots unused, K is split:
+``split`` programs share each tile, one K slice each, and the slices' float32 partial
 sums are added in a fixed order by the last program to finish (``fp8_gemv.py`` says
 how). Large grids (the gate/up projection's 3584 programs at one row) keep one whole
 row a program, which reaches 87% of the bandwidth.
@@ -38,8 +39,10 @@ H200_SMS = 132  # the SM count assumed off the GPU (interpreter tests take the H
 # from this many programs an SM (8 x K tiles) the grid already streams well with whole
 # rows (gate/up at 1 row: 27 programs an SM, 87% of the bandwidth)
 WHOLE_ROW_PROGRAMS_PER_SM = 12
-# split K until about this many programs an SM: one round of the resident ones
-SPLIT_PROGRAMS_PER_SM = 6
+# programs of the chunked tiles resident on one SM, by rows (1: 80-96 registers at 4
+# warps and 37-45 KB of shared memory for the chunks in flight; 2: 100-128 registers at
+# 8 warps; sm_90, as tests/test_fp8_gemv.py compiles them)
+RESIDENT_PROGRAMS = {1: 5, 2: 2}
 
 
 class GemvTiles(NamedTuple):
@@ -63,8 +66,11 @@ def choose_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
     block_n, warps = {1: (16, 4), 2: (16, 8)}.get(rows, (8, 4))
     block_k = min(triton.next_power_of_2(k), 1024)
     tiles, chunks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    # each slice keeps at least two chunks (both requested before the first is multiplied)
-    split = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles), max(1, chunks // 2))
+    # as many slices as keep every program resident at once (one round: all of them
+    # stream side by side and end together, where a partial second round would leave
+    # most SMs idle at the end), each slice at least two chunks
+    slots = RESIDENT_PROGRAMS.get(rows, 2) * sms
+    split = min(slots // tiles, chunks // 2)
     return GemvTiles(block_n, block_k, warps, max(1, split), stages=3)
 
 
