@@ -216,9 +216,9 @@ for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
 
 
 def test_the_8b_projections_split_k_to_fill_one_round_of_resident_programs():
-    """Llama-3.1-8B on an H200 (132 SMs, 5 resident programs an SM at one row, 2 at two):
+    """Llama-3.1-8B on an H200 (132 SMs, 4 resident programs an SM at one row, 2 at two):
     o and down at one row (256 tiles of 16 outputs) split K in two, qkv (384 tiles)
-    would overflow the 660 slots and does not; gate/up at one row (3584 tiles of 8)
+    would overflow the 528 slots and does not; gate/up at one row (3584 tiles of 8)
     keeps a whole row a program; at two rows (264 slots) nothing splits."""
     from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
     assert choose_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
@@ -235,7 +235,7 @@ def test_fewer_outputs_or_more_sms_split_k_further_but_never_below_two_chunks():
     from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles
     assert choose_tiles(2048, 8192, 1) == GemvTiles(16, 1024, 4, 4, stages=3)  # 8 chunks
     assert choose_tiles(2048, 8192, 2) == GemvTiles(16, 1024, 8, 2, stages=3)
-    assert choose_tiles(4096, 14336, 1, sms=264) == GemvTiles(16, 1024, 4, 5, stages=3)
+    assert choose_tiles(4096, 14336, 1, sms=264) == GemvTiles(16, 1024, 4, 4, stages=3)
     assert choose_tiles(64, 2048, 1) == GemvTiles(16, 1024, 4, 1, stages=3)  # 2 chunks
 
 

@@ -114,13 +114,29 @@ def _fp8_gemv_kernel(
             part = _chunk_products(part, w, X, Res, NormW, s_row, kk, kmask, K, stride_x,
                                    stride_r, rstds, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS)
             w = w_next
-    else:  # the alternative: STAGES - 1 chunks ahead through shared memory (async copies)
+    else:  # STAGES - 1 chunks ahead through shared memory (async copies)
+        # a chunk as [BLOCK_N, BLOCK_K / 16, 16]: each thread's 16-byte strips; the
+        # products are summed within each strip only (a chain of multiply-adds in one
+        # thread) into ``strips`` [ROWS_PAD, BLOCK_N, BLOCK_K / 16], which is summed
+        # across threads once, after the loop
+        k2 = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        w_rows3 = w_rows[:, :, None]
+        strips = tl.zeros([ROWS_PAD, BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
+        rows3 = rows[:, None, None]
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-            kk = k0 + rk
+            kk = k0 + k2
             kmask = kk < k_hi
-            w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            part = _chunk_products(part, w, X, Res, NormW, s_row, kk, kmask, K, stride_x,
-                                   stride_r, rstds, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS)
+            w = tl.load(w_rows3 + kk[None, :, :], mask=nmask[:, None, None] & kmask[None, :, :],
+                        other=0.0)
+            for m in tl.static_range(ROWS):
+                x = _row_input(X + m * stride_x, Res + m * stride_r, NormW, s_row, kk, kmask,
+                               K, rstds, rows, m, dtype, PROLOGUE, SCALE_BLOCK)
+                strip = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
+                if ROWS == 1:
+                    strips += strip[None, :, :]
+                else:
+                    strips += tl.where(rows3 == m, strip[None, :, :], 0.0)
+        part = tl.sum(strips, axis=2)
     if SPLIT == 1:
         _store_out(part, Scale, Bias, Out, rows, rn, nmask, N, ROWS, HAS_BIAS, SCALE_BLOCK)
     else:

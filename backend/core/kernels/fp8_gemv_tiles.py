@@ -11,7 +11,7 @@ enough loads in flight until the last byte arrives. Two things break that:
 
 So every program streams its part of K in chunks of BLOCK_N x BLOCK_K, two chunks ahead
 through shared memory (async copies: the chunks in flight take no registers, so about
-80-96 registers a thread at one row and 5 programs an SM, each with 32 KB requested);
+100 registers a thread at one row and 4-5 programs an SM, each with 32 KB requested);
 and where the tiles of BLOCK_N outputs leave resident slots unused, K is split:
 ``split`` programs share each tile, one K slice each, and the slices' float32 partial
 sums are added in a fixed order by the last program to finish (``fp8_gemv.py`` says
@@ -26,7 +26,8 @@ thread holds`` a weight and input row. 16 x 1024 chunks at 4 warps give 128 weig
 thread (e / 8) at one row; at two rows 8 warps (64 weights a thread, e / 4), since
 the widened weights stay in registers for both rows (128 registers; 4 warps would take
 about 220). From 3 rows (the tool's timings only: ``WEIGHT_ONLY_ROWS`` is 2) 8 x 1024
-at 4 warps, under 160 registers at 8 rows.
+at 4 warps. Compiled for sm_90, the chunk loop issues 3.8 (o), 4.4 (qkv) and 5.5
+(down) instructions a weight at one row, 6.2-7.9 at two.
 ``tools/gpu/fp8_gemv_checks.py --sweep`` times these choices against alternatives.
 """
 from __future__ import annotations
@@ -39,10 +40,10 @@ H200_SMS = 132  # the SM count assumed off the GPU (interpreter tests take the H
 # from this many programs an SM (8 x K tiles) the grid already streams well with whole
 # rows (gate/up at 1 row: 27 programs an SM, 87% of the bandwidth)
 WHOLE_ROW_PROGRAMS_PER_SM = 12
-# programs of the chunked tiles resident on one SM, by rows (1: 80-96 registers at 4
-# warps and 37-45 KB of shared memory for the chunks in flight; 2: 100-128 registers at
-# 8 warps; sm_90, as tests/test_fp8_gemv.py compiles them)
-RESIDENT_PROGRAMS = {1: 5, 2: 2}
+# programs of the chunked tiles resident on one SM, by rows (1: 94-113 registers at 4
+# warps and 37-45 KB of shared memory for the chunks in flight; 2: 104-128 registers at
+# 8 warps; sm_90 as tests/test_fp8_gemv.py compiles them, 65536 registers and 228 KB an SM)
+RESIDENT_PROGRAMS = {1: 4, 2: 2}
 
 
 class GemvTiles(NamedTuple):
