@@ -28,7 +28,7 @@ the widened weights stay in registers for both rows (128 registers; 4 warps woul
 about 220). From 3 rows (the tool's timings only: ``WEIGHT_ONLY_ROWS`` is 2) 8 x 1024
 at 4 warps. Compiled for sm_90, the chunk loop issues 3.8 (o), 4.4 (qkv) and 5.5
 (down) instructions a weight at one row, 6.2-7.9 at two.
-``tools/gpu/fp8_gemv_checks.py --sweep`` times these choices against alternatives.
+``tools/gpu/check_fp8.py --parts gemv`` (its sweep) times these choices against others.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ H200_SMS = 132  # the SM count assumed off the GPU (interpreter tests take the H
 WHOLE_ROW_PROGRAMS_PER_SM = 12
 # programs of the chunked tiles resident on one SM, by rows (1: 94-113 registers at 4
 # warps and 37-45 KB of shared memory for the chunks in flight; 2: 104-128 registers at
-# 8 warps; sm_90 as tests/test_fp8_gemv.py compiles them, 65536 registers and 228 KB an SM)
+# 8 warps; sm_90 as tests/test_fp8_gemv_tiles.py compiles them, 65536 registers and 228 KB an SM)
 RESIDENT_PROGRAMS = {1: 4, 2: 2}
 
 
