@@ -178,7 +178,8 @@ def _check_gemv(device: str, sweep: bool, timed_rows: tuple[int, ...]) -> dict:
 
     gen = torch.Generator(device=device).manual_seed(0)
     bw = copy_bandwidth(torch, device, 1 << 30)
-    before = json.loads(BEFORE.read_text())["kernels"]["fp8_gemv"]["timing"] if BEFORE.exists() else {}
+    before = (json.loads(BEFORE.read_text())["kernels"]["fp8_gemv"]["timing"]
+              if BEFORE.exists() else {})
     out = {"copy_bw_TBps": round(bw / 1e12, 3), "errors": {}, "timing": {}, "sweep": {},
            "failures": []}
     print(f"fp8 gemv: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -201,7 +202,8 @@ def _check_gemv(device: str, sweep: bool, timed_rows: tuple[int, ...]) -> dict:
                  "w8a8_us": _time([case.w8a8(lay) for lay in layers]),
                  "fp8_gemv_us": _time(_fp8_calls(case, layers, tiles))}
             if rows <= 2:
-                t["previous_tiles_us"] = _time(_fp8_calls(case, layers, previous_tiles(n, k, rows)))
+                previous = previous_tiles(n, k, rows)
+                t["previous_tiles_us"] = _time(_fp8_calls(case, layers, previous))
             if f"{name}/m{rows}" in before:
                 t["before_us"] = before[f"{name}/m{rows}"]["fp8_gemv_us"]
             for key in [key for key in t if key.startswith(("fp8", "previous", "before"))]:

@@ -40,9 +40,10 @@ H200_SMS = 132  # the SM count assumed off the GPU (interpreter tests take the H
 # from this many programs an SM (8 x K tiles) the grid already streams well with whole
 # rows (gate/up at 1 row: 27 programs an SM, 87% of the bandwidth)
 WHOLE_ROW_PROGRAMS_PER_SM = 12
-# programs of the chunked tiles resident on one SM, by rows (1: 94-113 registers at 4
-# warps and 37-45 KB of shared memory for the chunks in flight; 2: 104-128 registers at
-# 8 warps; sm_90 as tests/test_fp8_gemv_tiles.py compiles them, 65536 registers and 228 KB an SM)
+# programs of the chunked tiles resident on one SM (65536 registers, 228 KB of shared
+# memory), by rows: 1: 94-113 registers a thread at 4 warps and 37-45 KB for the chunks
+# in flight; 2: 104-128 registers at 8 warps (sm_90, as tests/test_fp8_gemv_tiles.py
+# compiles them)
 RESIDENT_PROGRAMS = {1: 4, 2: 2}
 
 
