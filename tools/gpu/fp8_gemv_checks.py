@@ -58,14 +58,11 @@ def previous_tiles(n: int, k: int, rows: int):
 
 def _sweep_tiles(n: int, k: int, rows: int):
     """``SWEEP`` with the rule's split for split 0, then the rule's own choice."""
-    from backend.core.kernels.fp8_gemv_tiles import (SPLIT_PROGRAMS_PER_SM, H200_SMS,
-                                                     GemvTiles, choose_tiles)
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, filling_split
 
     out = [choose_tiles(n, k, rows)]
     for block_n, block_k, warps, split, stages in SWEEP:
-        if not split:
-            tiles, chunks = -(-n // block_n), -(-k // block_k)
-            split = max(1, min(-(-SPLIT_PROGRAMS_PER_SM * H200_SMS // tiles), chunks // 2))
+        split = split or filling_split(n, k, block_n, block_k, rows)
         out.append(GemvTiles(block_n, block_k, warps, split, stages))
     return list(dict.fromkeys(out))
 

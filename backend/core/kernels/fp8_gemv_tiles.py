@@ -67,13 +67,18 @@ def choose_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
         return GemvTiles(8, min(triton.next_power_of_2(k), 4096 if k <= 4096 else 2048), 8)
     block_n, warps = {1: (16, 4), 2: (16, 8)}.get(rows, (8, 4))
     block_k = min(triton.next_power_of_2(k), 1024)
+    return GemvTiles(block_n, block_k, warps, filling_split(n, k, block_n, block_k, rows, sms),
+                     stages=3)
+
+
+def filling_split(n: int, k: int, block_n: int, block_k: int, rows: int,
+                  sms: int = H200_SMS) -> int:
+    """As many K slices as keep every program resident at once (one round: all of them
+    stream side by side and end together, where a partial second round would leave most
+    SMs idle at the end), each slice at least two chunks."""
     tiles, chunks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    # as many slices as keep every program resident at once (one round: all of them
-    # stream side by side and end together, where a partial second round would leave
-    # most SMs idle at the end), each slice at least two chunks
     slots = RESIDENT_PROGRAMS.get(rows, 2) * sms
-    split = min(slots // tiles, chunks // 2)
-    return GemvTiles(block_n, block_k, warps, max(1, split), stages=3)
+    return max(1, min(slots // tiles, chunks // 2))
 
 
 def k_slice(k: int, tiles: GemvTiles) -> tuple[int, int]:
