@@ -228,7 +228,18 @@ def _check_gemv(device: str, sweep: bool, timed_rows: tuple[int, ...]) -> dict:
         del ws, layers
         torch.cuda.empty_cache()
     out["ok"] = not out["failures"]
+    _print_table(out["timing"])
     return out
+
+
+def _print_table(timing: dict) -> None:
+    """One line a projection and row count: the recorded time before split K, the
+    previous tiles, the rule's tiles (µs and GB/s), HBM share and speed-up on bf16."""
+    print("fp8 gemv    before_us  prev_tiles_us  new_us  new_GBps  hbm  vs_bf16  vs_before")
+    for key, t in timing.items():
+        print(f"{key:12s}{t.get('before_us', '-'):>9}  {t.get('previous_tiles_us', '-'):>13}"
+              f"  {t['fp8_gemv_us']:>6}  {t['fp8_gemv_GBps']:>8}  {t['fp8_gemv_hbm']:>4}"
+              f"  {t['vs_bf16']:>7}  {t.get('vs_before', '-'):>9}", flush=True)
 
 
 def _check_one(case, call, deq, counters) -> tuple[float, list[str]]:
