@@ -201,11 +201,13 @@ for _rows in (1, 2):
     CASES[f"add-norm-linear-split3-stages3-r{_rows}"] = (_case_norm_linear, dict(
         n=70, k=600, rows=_rows, block=32, residual=True, config=(16, 64, 4, 3, 3)))
 # the default tiles where they split K (N small, K = 4100: 1024-column chunks, two slices)
-for _rows in (1, 2):
-    CASES[f"add-norm-linear-default-split-r{_rows}"] = (_case_norm_linear, dict(
-        n=48, k=4100, rows=_rows, block=0, residual=True))
-    CASES[f"silu-linear-default-split-r{_rows}"] = (_case_silu_linear, dict(
-        n=48, k=4100, rows=_rows, block=0))
+for _name, _case, _extra in (("linear", _case_linear, {}),
+                             ("norm-linear", _case_norm_linear, dict(residual=False)),
+                             ("add-norm-linear", _case_norm_linear, dict(residual=True)),
+                             ("silu-linear", _case_silu_linear, {})):
+    for _rows in (1, 2):
+        CASES[f"{_name}-default-split-r{_rows}"] = (_case, dict(
+            n=48, k=4100, rows=_rows, block=0, **_extra))
 CASES["split-counters-are-zero-again-and-results-repeat"] = (_case_counters_reused, {})
 CASES["refuses-nine-rows"] = (_case_refuses_nine_rows, {})
 for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head

@@ -94,3 +94,12 @@ def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, r
     from backend.core.kernels.fp8_gemv_tiles import choose_tiles
     usage = _compile_for_h200(prologue, rows, choose_tiles(n, k, rows), block, k)
     assert "LOCAL:0 " in usage, usage
+
+
+def test_the_interpreter_cases_of_default_tiles_do_split_k():
+    """test_fp8_gemv.py's default-split cases (N = 48, K = 4100) and its K = 5000 shapes
+    run the split and pipelined path only while the rule splits them."""
+    from backend.core.kernels.fp8_gemv_tiles import choose_tiles
+    for n, k, rows in ((48, 4100, 1), (48, 4100, 2), (9, 5000, 2), (70, 5000, 8)):
+        tiles = choose_tiles(n, k, rows)
+        assert tiles.split == 2 and tiles.stages == 3 and tiles.block_k < k, (n, k, tiles)
