@@ -15,7 +15,7 @@ def test_the_8b_projections_split_k_to_fill_one_round_of_resident_programs():
     from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
     assert choose_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
     assert choose_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
-    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (7168, 2)
+    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (7168, 2)  # 7 chunks each
     assert choose_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 1, stages=3)
     assert choose_tiles(28672, 4096, 1) == GemvTiles(8, 4096, 8, 1)
     assert choose_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
@@ -60,7 +60,7 @@ def _compile_for_h200(prologue, rows, tiles, block, k):
                           "stride_sn", "scale_rows"], "i32")
     consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
                   ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n,
-                  BLOCK_K=tiles.block_k, SPLIT=k_slice(k, tiles)[1],
+                  BLOCK_K=tiles.block_k, SPLIT=k_slice(k, tiles).count,
                   WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages,
                   NORM_BLOCK=min(triton.next_power_of_2(k), 4096))
     signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}

@@ -233,7 +233,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         assert scale.numel() == n and scale.is_contiguous(), "one scale per output channel"
         stride_sn = 0
     assert scale.dtype == torch.float32
-    per_slice, split = k_slice(k, tiles)
+    per_slice, split = k_slice(k, tiles)  # split: slices actually launched
     n_tiles, rows_pad = triton.cdiv(n, block_n), triton.next_power_of_2(rows)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if split > 1:

@@ -81,8 +81,14 @@ def filling_split(n: int, k: int, block_n: int, block_k: int, rows: int,
     return max(1, min(slots // tiles, chunks // 2))
 
 
-def k_slice(k: int, tiles: GemvTiles) -> tuple[int, int]:
-    """(columns a slice, slices): ``split`` slices of whole chunks covering K, the last
-    one shorter when K does not divide (never an empty slice)."""
-    per_slice = triton.cdiv(triton.cdiv(k, tiles.split), tiles.block_k) * tiles.block_k
-    return per_slice, triton.cdiv(k, per_slice)
+class KSlices(NamedTuple):
+    """K cut for a launch: ``count`` slices of ``columns`` columns (the last shorter)."""
+    columns: int
+    count: int
+
+
+def k_slice(k: int, tiles: GemvTiles) -> KSlices:
+    """``split`` slices of whole chunks covering K, the last one shorter when K does not
+    divide (never an empty slice, so ``count`` may be below ``split``)."""
+    columns = triton.cdiv(triton.cdiv(k, tiles.split), tiles.block_k) * tiles.block_k
+    return KSlices(columns, triton.cdiv(k, columns))
