@@ -28,7 +28,8 @@ the widened weights stay in registers for both rows (128 registers; 4 warps woul
 about 220). From 3 rows (the tool's timings only: ``WEIGHT_ONLY_ROWS`` is 2) 8 x 1024
 at 4 warps. Compiled for sm_90, the chunk loop issues 3.8 (o), 4.4 (qkv) and 5.5
 (down) instructions a weight at one row, 6.2-7.9 at two.
-``tools/gpu/check_fp8.py --parts gemv`` (its sweep) times these choices against others.
+``tools/gpu/check_fp8.py --parts gemv`` (without ``--no-sweep``) times these choices
+against others.
 """
 from __future__ import annotations
 
