@@ -116,9 +116,9 @@ def _fp8_gemv_kernel(
             w = w_next
     else:  # STAGES - 1 chunks ahead through shared memory (async copies)
         # a chunk as [BLOCK_N, BLOCK_K / 16, 16]: each thread's 16-byte strips; the
-        # products are summed within each strip only (a chain of multiply-adds in one
-        # thread) into ``strips`` [ROWS_PAD, BLOCK_N, BLOCK_K / 16], which is summed
-        # across threads once, after the loop
+        # products are summed within each strip only (inside one thread, no shuffles)
+        # into ``strips`` [ROWS_PAD, BLOCK_N, BLOCK_K / 16], which is summed across
+        # threads once, after the loop. The weight copies start after the norm's pass.
         k2 = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
         w_rows3 = w_rows[:, :, None]
         strips = tl.zeros([ROWS_PAD, BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
