@@ -185,9 +185,9 @@ for _block in (0, 128):
 CASES["linear-block16-narrow-tiles"] = (_case_linear, dict(n=50, k=72, rows=2, block=16,
                                                            config=(4, 32, 4, 1)))
 # split K, explicit tiles: 16-output tiles over N = 70 (the last one partial), K = 600 in
-# 64-column chunks cut into 3 slices of 256, 256 and 88 columns, the next chunk loaded
-# into registers (stages 1); 1 and 2 rows, every prologue, both scale layouts (32-wide
-# blocks: two tiles a block row)
+# 64-column chunks cut into 3 slices of 256, 256 and 88 columns, each chunk waited for
+# (stages 1); 1 and 2 rows, every prologue, both scale layouts (32-wide blocks: two
+# tiles a block row)
 for _name, _case, _extra in (("linear", _case_linear, {}),
                              ("norm-linear", _case_norm_linear, dict(residual=False)),
                              ("add-norm-linear", _case_norm_linear, dict(residual=True)),
@@ -196,7 +196,7 @@ for _name, _case, _extra in (("linear", _case_linear, {}),
         for _rows in (1, 2):
             CASES[f"{_name}-split3-block{_block}-r{_rows}"] = (_case, dict(
                 n=70, k=600, rows=_rows, block=_block, config=(16, 64, 4, 3), **_extra))
-# the other way to keep chunks in flight: two ahead through shared memory (stages 3)
+# the same with two chunks ahead through shared memory (stages 3, the default tiles')
 for _rows in (1, 2):
     CASES[f"add-norm-linear-split3-stages3-r{_rows}"] = (_case_norm_linear, dict(
         n=70, k=600, rows=_rows, block=32, residual=True, config=(16, 64, 4, 3, 3)))

@@ -34,12 +34,11 @@ TIMED_ROWS = (1, 2, 4, 8)  # where weight-only stops beating W8A8 sets WEIGHT_ON
 CHECKED_ROWS = (1, 2)  # and every row count timed
 REPEATS = 30
 BEFORE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "fp8_gemv_gpu.json"
-# (BLOCK_N, BLOCK_K, warps, split, stages); stages 1: next chunk prefetched in registers,
-# more: stages - 1 chunks ahead through shared memory. Split 0 stands for the rule's
-# split of that shape with these tiles.
+# (BLOCK_N, BLOCK_K, warps, split, stages): stages - 1 chunks ahead through shared memory.
+# Split 0 stands for the rule's split of that shape with these tiles.
 SWEEP = ((8, 4096, 8, 1, 1), (16, 1024, 4, 0, 3), (16, 1024, 4, 1, 3), (16, 1024, 4, 4, 3),
-         (16, 1024, 4, 0, 1), (16, 1024, 8, 0, 3), (8, 1024, 4, 0, 3), (16, 512, 4, 0, 4),
-         (16, 2048, 8, 0, 3), (32, 512, 4, 0, 3))
+         (16, 1024, 4, 0, 2), (16, 1024, 4, 0, 4), (16, 1024, 8, 0, 3), (8, 1024, 4, 0, 3),
+         (16, 512, 4, 0, 4), (16, 2048, 8, 0, 3), (32, 512, 4, 0, 3))
 
 
 def previous_tiles(n: int, k: int, rows: int):

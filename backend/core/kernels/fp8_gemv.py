@@ -75,50 +75,19 @@ def _fp8_gemv_kernel(
     s_row = Scale + ((pid_n * BLOCK_N) // scale_rows) * stride_sn
     k_lo = pid_k * k_slice
     k_hi = tl.minimum(K, k_lo + k_slice)
-    if WHOLE_ROW or STAGES == 1:
-        # the first weight chunk is requested before anything else: in flight while the
-        # norm's pass over the input rows runs
-        kk = k_lo + rk
-        w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :],
-                    other=0.0)
-    rstds = tl.zeros([ROWS_PAD], dtype=tl.float32)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        # pass 1: each row's sum of squares over all of K, whatever this program's slice;
-        # program (0, 0) writes the new residual
-        # (NORM_BLOCK columns a step, 4096: one L2 round trip a row for K <= 4096)
-        for m in tl.static_range(ROWS):
-            ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-            for j0 in range(0, K, NORM_BLOCK):
-                jj = j0 + tl.arange(0, NORM_BLOCK)
-                jmask = jj < K
-                x = _input_chunk(X + m * stride_x, Res + m * stride_r, jj, jmask, K, PROLOGUE)
-                if PROLOGUE == 2:
-                    tl.store(ResOut + m * K + jj, x.to(dtype),
-                             mask=jmask & ((jj * 0 + pid_n + pid_k) == 0))
-                ss += x * x
-            rstd_m = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-            rstds += tl.where(rows == m, rstd_m, 0.0)
-    part = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
-    if WHOLE_ROW:  # one chunk is all of K (BLOCK_K >= K, one slice): no loop to carry
-        part = _chunk_products(part, w, X, Res, NormW, s_row, rk, rk < K, K, stride_x,
-                               stride_r, rstds, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS)
-    elif STAGES == 1:
-        # each chunk's products are summed at once (no float32 accumulator a weight: the
-        # registers go to weights in flight instead)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + rk
-            kmask = kk < k_hi
-            nxt = kk + BLOCK_K  # the next chunk, in flight while this one is multiplied
-            w_next = tl.load(w_rows + nxt[None, :], mask=nmask[:, None] & (nxt < k_hi)[None, :],
-                             other=0.0)
-            part = _chunk_products(part, w, X, Res, NormW, s_row, kk, kmask, K, stride_x,
-                                   stride_r, rstds, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS)
-            w = w_next
-    else:  # STAGES - 1 chunks ahead through shared memory (async copies)
+    if WHOLE_ROW:  # one chunk is all of K (BLOCK_K >= K, one slice): requested before
+        # anything else, in flight while the input rows are computed
+        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & (rk < K)[None, :], other=0.0)
+        part = _whole_row_products(w, X, Res, NormW, ResOut, s_row, rk, K, stride_x, stride_r,
+                                   eps, pid_n, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS,
+                                   ROWS_PAD, BLOCK_N)
+    else:  # chunks, STAGES - 1 of them ahead through shared memory (async copies)
         # a chunk as [BLOCK_N, BLOCK_K / 16, 16]: each thread's 16-byte strips; the
         # products are summed within each strip only (inside one thread, no shuffles)
         # into ``strips`` [ROWS_PAD, BLOCK_N, BLOCK_K / 16], which is summed across
         # threads once, after the loop. The weight copies start after the norm's pass.
+        rstds = _row_rstds(X, Res, ResOut, K, stride_x, stride_r, eps, pid_n + pid_k, rows,
+                           dtype, PROLOGUE, ROWS, ROWS_PAD, NORM_BLOCK)
         k2 = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
         w_rows3 = w_rows[:, :, None]
         strips = tl.zeros([ROWS_PAD, BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
@@ -159,17 +128,49 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
-def _chunk_products(part, w, X, Res, NormW, s_row, kk, kmask, K, stride_x, stride_r, rstds,
-                    rows, dtype, PROLOGUE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                    ROWS: tl.constexpr):
-    """``part`` [ROWS_PAD, BLOCK_N] plus each row's products with the weight chunk ``w``
-    (columns kk), summed at once."""
+def _whole_row_products(w, X, Res, NormW, ResOut, s_row, rk, K, stride_x, stride_r, eps,
+                        pid_n, rows, dtype, PROLOGUE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[ROWS_PAD, BLOCK_N] sums of a whole-row tile ``w``: each input row computed once,
+    its norm from the same values (program 0 writes the new residual)."""
+    kmask = rk < K
+    part = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
     for m in tl.static_range(ROWS):
-        x = _row_input(X + m * stride_x, Res + m * stride_r, NormW, s_row, kk, kmask, K,
-                       rstds, rows, m, dtype, PROLOGUE, SCALE_BLOCK)
+        x = _input_chunk(X + m * stride_x, Res + m * stride_r, rk, kmask, K, PROLOGUE)
+        if PROLOGUE == 2:
+            tl.store(ResOut + m * K + rk, x.to(dtype), mask=kmask & ((rk * 0 + pid_n) == 0))
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = _normalise(x, NormW, rk, kmask, rstd, dtype)
+        if SCALE_BLOCK > 0:
+            x = x * tl.load(s_row + rk // SCALE_BLOCK, mask=kmask, other=0.0)
         row = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         part += tl.where(rows[:, None] == m, row[None, :], 0.0)
     return part
+
+
+@triton.jit
+def _row_rstds(X, Res, ResOut, K, stride_x, stride_r, eps, program, rows, dtype,
+               PROLOGUE: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+               NORM_BLOCK: tl.constexpr):
+    """The norm's 1 / rms of each row [ROWS_PAD] over all of K, whatever the program's
+    slice, NORM_BLOCK columns a step (4096: one L2 round trip a row for K <= 4096);
+    program 0 (``program``: the sum of its grid indices) writes the new residual."""
+    rstds = tl.zeros([ROWS_PAD], dtype=tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        for m in tl.static_range(ROWS):
+            ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            for j0 in range(0, K, NORM_BLOCK):
+                jj = j0 + tl.arange(0, NORM_BLOCK)
+                jmask = jj < K
+                x = _input_chunk(X + m * stride_x, Res + m * stride_r, jj, jmask, K, PROLOGUE)
+                if PROLOGUE == 2:
+                    tl.store(ResOut + m * K + jj, x.to(dtype),
+                             mask=jmask & ((jj * 0 + program) == 0))
+                ss += x * x
+            rstd_m = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+            rstds += tl.where(rows == m, rstd_m, 0.0)
+    return rstds
 
 
 @triton.jit

@@ -51,9 +51,8 @@ RESIDENT_PROGRAMS = {1: 4, 2: 2}
 class GemvTiles(NamedTuple):
     """One launch's tiling: BLOCK_N outputs by BLOCK_K inputs a chunk, ``warps`` warps
     a program, K cut into ``split`` slices (one program each) per BLOCK_N outputs.
-    ``stages`` 1: the next chunk is loaded into registers while the current one is
-    multiplied; more: ``stages - 1`` chunks ahead through shared memory instead (async
-    copies, Triton's pipelining), an alternative for the sweep."""
+    ``stages - 1`` chunks are requested ahead through shared memory (async copies,
+    Triton's pipelining; 1: each chunk waited for, as before split K)."""
     block_n: int
     block_k: int
     warps: int
