@@ -1,11 +1,12 @@
 """The weight-only FP8 matrix-vector kernels (backend/core/kernels/fp8_gemv.py) on CPU
 via the Triton interpreter: each against the torch modules it replaces followed by
 ``F.linear`` with the dequantized weight, for per-channel and block scales, every fused
-prologue, 1..8 rows and dimensions that fit no tile; then an FP8 model whose small
+prologue, 1..8 rows, dimensions that fit no tile and K split over programs (the
+partial sums added by the last program of a tile); then an FP8 model whose small
 batches take them, against its weight-only reference in torch. Cases run in a worker
 subprocess (see interpreter_cases.py); half precision is fp16 here, bf16 is checked on
-the GPU by tools/gpu/fp8_gemv_checks.py. Last, the default tiles compile for the H200
-(sm_90) without spilling, which the interpreter cannot tell."""
+the GPU by tools/gpu/fp8_gemv_checks.py. The tile rule and the compiled tiles:
+test_fp8_gemv_tiles.py."""
 from __future__ import annotations
 
 import sys
@@ -110,6 +111,25 @@ def _case_refuses_nine_rows():
         fp8_linear_rows(torch.randn(9, 16), q, scale)
 
 
+def _case_counters_reused():
+    """A layer's counters serve every call: each split-K launch leaves them zero, and the
+    slices' sums are added in one order, so a repeated call gives the same bits."""
+    from backend.core.kernels.fp8_gemv import fp8_silu_mul_linear_rows, tile_counters
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles
+    q, scale, w, _ = _weights(40, 900, 0, 5)
+    counters = tile_counters(40, "cpu")
+    gate_up = torch.randn(2, 1800, generator=torch.Generator().manual_seed(2))
+    tiles = GemvTiles(block_n=8, block_k=128, warps=4, split=4)
+    first = fp8_silu_mul_linear_rows(gate_up, q, scale, config=tiles, counters=counters)
+    assert torch.equal(counters, torch.zeros(40, dtype=torch.int32))
+    again = fp8_silu_mul_linear_rows(gate_up, q, scale, config=tiles, counters=counters)
+    assert torch.equal(first, again)
+    assert torch.equal(counters, torch.zeros(40, dtype=torch.int32))
+    gate, up = gate_up.split(900, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    _check(first, torch.nn.functional.linear(act, w), torch.float32, act, w)
+
+
 def _case_model(arch, prompt_len):
     """An FP8 model's logits with its small batches on the kernels (``fuse_rows``, as the
     runner sets it on CUDA) against the same model with every Fp8Linear swapped for its
@@ -141,7 +161,8 @@ def _case_model(arch, prompt_len):
 
 
 CASES = {}
-_SHAPES = (  # (n, k, rows): one tile (k <= 4096) or 2048-wide chunks with a partial one
+_SHAPES = (  # (n, k, rows): one whole-row tile (k <= 1024), or K = 5000 in 1024-wide
+    # chunks (a partial one) cut into two slices by the default tiles
     (37, 48, 1), (130, 600, 3), (9, 5000, 2), (200, 300, 5), (70, 5000, 8))
 for _block in (0, 128):
     _tag = f"block{_block}" if _block else "channel"
@@ -163,13 +184,31 @@ for _block in (0, 128):
 # small scale blocks: several block rows, each spanning programs of 4 rows
 CASES["linear-block16-narrow-tiles"] = (_case_linear, dict(n=50, k=72, rows=2, block=16,
                                                            config=(4, 32, 4, 1)))
-# one row in pipelined chunks (the GPU's alternative tiles), every prologue
+# split K, explicit tiles: 16-output tiles over N = 70 (the last one partial), K = 600 in
+# 64-column chunks cut into 3 slices of 256, 256 and 88 columns, each chunk waited for
+# (stages 1); 1 and 2 rows, every prologue, both scale layouts (32-wide blocks: two
+# tiles a block row)
 for _name, _case, _extra in (("linear", _case_linear, {}),
+                             ("norm-linear", _case_norm_linear, dict(residual=False)),
                              ("add-norm-linear", _case_norm_linear, dict(residual=True)),
                              ("silu-linear", _case_silu_linear, {})):
     for _block in (0, 32):
-        CASES[f"{_name}-pipelined-chunks-block{_block}"] = (_case, dict(
-            n=40, k=600, rows=1, block=_block, config=(8, 128, 4, 3), **_extra))
+        for _rows in (1, 2):
+            CASES[f"{_name}-split3-block{_block}-r{_rows}"] = (_case, dict(
+                n=70, k=600, rows=_rows, block=_block, config=(16, 64, 4, 3), **_extra))
+# the same with two chunks ahead through shared memory (stages 3, the default tiles')
+for _rows in (1, 2):
+    CASES[f"add-norm-linear-split3-stages3-r{_rows}"] = (_case_norm_linear, dict(
+        n=70, k=600, rows=_rows, block=32, residual=True, config=(16, 64, 4, 3, 3)))
+# the default tiles where they split K (N small, K = 4100: 1024-column chunks, two slices)
+for _name, _case, _extra in (("linear", _case_linear, {}),
+                             ("norm-linear", _case_norm_linear, dict(residual=False)),
+                             ("add-norm-linear", _case_norm_linear, dict(residual=True)),
+                             ("silu-linear", _case_silu_linear, {})):
+    for _rows in (1, 2):
+        CASES[f"{_name}-default-split-r{_rows}"] = (_case, dict(
+            n=48, k=4100, rows=_rows, block=0, **_extra))
+CASES["split-counters-are-zero-again-and-results-repeat"] = (_case_counters_reused, {})
 CASES["refuses-nine-rows"] = (_case_refuses_nine_rows, {})
 for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
     CASES[f"model-{_arch}-weight-only-rows"] = (
@@ -233,52 +272,3 @@ def test_fp8_gemv_case(results, case_id):
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     _worker()
-
-
-def _compile_for_h200(prologue, rows, config, block, k):
-    """The kernel compiled ahead of time for sm_90 (the H200) by the installed Triton and
-    its ptxas, without a GPU; returns ptxas' resource line for it."""
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from backend.core.kernels import fp8_gemv
-    block_n, block_k, warps, stages = config
-    pointers = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "W": "*fp8e4nv",
-                "Scale": "*fp32", "Bias": "*bf16", "Out": "*bf16", "ResOut": "*bf16"}
-    ints = dict.fromkeys(["N", "K", "stride_x", "stride_r", "stride_wn", "stride_sn",
-                          "scale_rows"], "i32")
-    consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
-                  ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                  WHOLE_ROW=block_k >= k, STAGES=stages)
-    signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
-    names = list(signature)
-    aligned = list(pointers) + ["N", "K", "stride_x", "stride_r", "stride_wn"]
-    source = ASTSource(fp8_gemv._fp8_gemv_kernel, signature,
-                       {(names.index(c),): v for c, v in consts.items()},
-                       {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "cuobjdump")
-        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
-                               text=True, check=True).stdout
-    return next(line for line in usage.splitlines() if "REG:" in line)
-
-
-@pytest.mark.parametrize("prologue, rows, block, k", [
-    (2, 1, 0, 4096), (0, 1, 128, 4096), (3, 1, 0, 14336), (2, 2, 128, 4096), (3, 8, 0, 14336)])
-def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, rows, block, k):
-    """The interpreter cannot tell whether the GPU compiler takes a kernel: the 8B
-    shapes' default tiles (add-norm before qkv/gate_up, plain, SiLU before down) compile
-    for sm_90 and keep everything in registers (no local memory)."""
-    from backend.core.kernels.fp8_gemv import _config
-    usage = _compile_for_h200(prologue, rows, _config(4096, k, rows), block, k)
-    assert "LOCAL:0 " in usage, usage

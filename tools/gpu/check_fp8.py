@@ -4,14 +4,21 @@ Decode speed and quality of bf16 vs FP8 weights vs FP8 KV vs both:
 
     python3 tools/gpu/check_fp8.py --out $OUT [--smollm2 DIR]
         [--parts kernels,block,gemm,speed,quality] [--settings bf16,fp8_weights,fp8_block]
-        [--batches 1] [--speed-models llama-8b] [--no-sweep]
+        [--batches 1] [--speed-models llama-8b] [--no-sweep] [--gemv-rows 1,2]
+
+The FP8 matrix-vector kernels alone, each 8B projection's GB/s against the kernel
+before split K, and batch-1 decode of the 8B shape in bf16 and FP8 (about 75 s):
+
+    python3 tools/gpu/check_fp8.py --out $OUT --parts gemv,speed --no-sweep \
+        --gemv-rows 1,2 --settings bf16,fp8_weights --batches 1 --speed-models llama-8b
 
 * kernels: the float8 KV stores (store_kv, the fused rotary store, the decode kernel's
   own store) give the bytes ``KVPool.store`` gives, exactly; attention over a float8
   pool equals the torch backend's; the per-token quantizer equals its torch reference;
   ``_scaled_mm`` equals the dequantized float32 product; the weight-only FP8
   matrix-vector kernels match torch and are timed against bf16 and W8A8, with a tile
-  sweep (``fp8_gemv_checks.py``; ``--no-sweep`` skips the sweep), and a 2-layer
+  sweep (``fp8_gemv_checks.py``; ``--no-sweep`` skips the sweep; ``--parts gemv`` runs
+  these alone, ``--gemv-rows`` the row counts timed), and a 2-layer
   8B-shaped FP8 model's decode step through them is closer to its dequantized
   reference than through W8A8.
 * block: the block-scaled FP8 kernels (128 x 128 weight blocks, activations per token
@@ -213,11 +220,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="speed: batch sizes")
     ap.add_argument("--speed-models", default="llama-8b,smollm2")
     ap.add_argument("--no-sweep", action="store_true", help="kernels: no FP8 GEMV tile sweep")
+    ap.add_argument("--gemv-rows", default="1,2,4,8", help="kernels/gemv: FP8 GEMV rows timed")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--speed-one", nargs=2, metavar=("MODEL", "SETTING"), help=argparse.SUPPRESS)
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
+    gemv_rows = tuple(int(r) for r in args.gemv_rows.split(","))
     if args.speed_one:
         print("SPEED " + json.dumps(speed_one(*args.speed_one, args.device, args.dummy,
                                               batches)))
@@ -241,12 +250,14 @@ def main(argv=None) -> int:
     ok = True
     if "kernels" in parts:
         started = time.perf_counter()
-        from tools.gpu.fp8_gemv_checks import check_gemv, check_model
+        from tools.gpu.fp8_gemv_checks import check_gemv
+        from tools.gpu.fp8_model_check import check_model
         from tools.gpu.fp8_kernel_checks import check_kernels
 
         report["kernels"] = check_kernels(args.device)
         print("kernels", report["kernels"], flush=True)
-        report["kernels"]["fp8_gemv"] = gemv = check_gemv(args.device, sweep=not args.no_sweep)
+        report["kernels"]["fp8_gemv"] = gemv = check_gemv(args.device, not args.no_sweep,
+                                                          gemv_rows)
         for failure in gemv["failures"]:
             print("FAIL fp8 gemv", failure, flush=True)
         report["kernels"]["fp8_model"] = model = check_model(shape_folder("llama-8b", smollm2),
@@ -262,6 +273,15 @@ def main(argv=None) -> int:
             print("FAIL fp8 block", failure, flush=True)
         ok = ok and block["ok"]
         save("block", started)
+    if "gemv" in parts and "kernels" not in parts:  # the FP8 GEMV checks alone
+        started = time.perf_counter()
+        from tools.gpu.fp8_gemv_checks import check_gemv
+
+        report["fp8_gemv"] = gemv = check_gemv(args.device, not args.no_sweep, gemv_rows)
+        for failure in gemv["failures"]:
+            print("FAIL fp8 gemv", failure, flush=True)
+        ok = ok and gemv["ok"]
+        save("gemv", started)
     if "gemm" in parts:
         started = time.perf_counter()
         report["gemm"] = time_gemm(args.device)

@@ -1,23 +1,29 @@
 """The weight-only FP8 matrix-vector kernels (backend/core/kernels/fp8_gemv.py) on the
-GPU, part of ``check_fp8.py``'s ``kernels`` part:
+GPU, the ``gemv`` part of ``check_fp8.py`` (and of its ``kernels`` part):
 
 * correctness: the four projections of Llama-3.1-8B with their prologues (RMSNorm +
-  residual before qkv and gate_up, SiLU-and-mul before down), 1 and 8 rows, per-channel
-  and 128x128 block scales, against the torch modules followed by ``F.linear`` with the
-  dequantized float32 weight (bf16 bound: 2 ulps of the output plus 1% of the row's
-  largest output, as tools/check_gemv_gpu.py); the new residual bit for bit;
-* time of each projection at 1, 2, 4 and 8 rows, prologue included, against what runs
-  otherwise: bf16 (the bf16 GEMV at 1 row, the fused norm or SiLU-and-mul then cuBLAS
-  above) and W8A8 (the same prologue, then the per-token quantization and
+  residual before qkv and gate_up, SiLU-and-mul before down), 1, 2 and the timed rows,
+  per-channel and 128x128 block scales, against the torch modules followed by
+  ``F.linear`` with the dequantized float32 weight (bf16 bound: 2 ulps of the output
+  plus 1% of the row's largest output, as tools/check_gemv_gpu.py); the new residual
+  bit for bit; and each default launch repeated (``REPEATS`` times, with the layer's
+  split-K counters) giving the same bits with the counters back at zero, which a race
+  between a tile's K slices would break;
+* time of each projection at ``rows`` (1, 2, 4, 8 rows), prologue included, against
+  what runs otherwise: bf16 (the bf16 GEMV at 1 row, the fused norm or SiLU-and-mul
+  then cuBLAS above) and W8A8 (the same prologue, then the per-token quantization and
   ``_scaled_mm``), each call streaming its weights from HBM (copies totalling over 4x
-  the L2 cache, replayed in a CUDA graph), with the bandwidth reached against a
-  device-to-device copy;
-* a tile sweep at 1 row (per-channel scales): (BLOCK_N, BLOCK_K, warps) of each shape,
-  ``_config``'s choice among them, fastest first;
-* ``check_model``: an FP8 model's decode step through the engine's forward, weight-only
-  against W8A8, each against the model's dequantized torch reference.
+  the L2 cache, replayed in a CUDA graph); the FP8 kernel with ``choose_tiles``' tiles
+  and, at 1 and 2 rows, with the tiles it had before split K (``PREVIOUS_TILES``), with
+  the bandwidth each reaches (GB/s and share of a device-to-device copy's) and the time
+  recorded for the kernel before split K (docs/benchmarks/fp8_gemv_gpu.json, ``before_us``);
+* a tile sweep at 1 and 2 rows (per-channel scales): ``SWEEP`` and the rule's choice,
+  fastest first.
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 SHAPES = {  # name: (prologue, N, K)
     "qkv": ("norm", 6144, 4096), "o": ("plain", 4096, 4096),
@@ -25,12 +31,39 @@ SHAPES = {  # name: (prologue, N, K)
 }
 BLOCK = 128
 TIMED_ROWS = (1, 2, 4, 8)  # where weight-only stops beating W8A8 sets WEIGHT_ONLY_ROWS
-# (BLOCK_N, BLOCK_K, warps, stages). At one row the kernel issues 3.4-6.5 instructions a
-# float8 weight (sm_90 SASS), near the issue rate HBM allows, so tiles that spend fewer
-# can win: fewer warps (reductions over more weights a thread), chunks summed into a 2-D
-# accumulator (BLOCK_K < K: one fused multiply-add a weight), pipelined chunks (stages > 1)
-SWEEP = ((4, 4096, 8, 1), (8, 4096, 4, 1), (16, 4096, 16, 1), (8, 2048, 8, 1),
-         (8, 2048, 8, 2), (8, 1024, 8, 3), (16, 512, 8, 4))
+CHECKED_ROWS = (1, 2)  # and every row count timed
+REPEATS = 30
+BEFORE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "fp8_gemv_gpu.json"
+# (BLOCK_N, BLOCK_K, warps, split, stages): stages - 1 chunks ahead through shared memory.
+# Split 0 stands for the rule's split of that shape with these tiles.
+SWEEP = ((8, 4096, 8, 1, 1), (16, 1024, 4, 0, 3), (16, 1024, 4, 1, 3), (16, 1024, 4, 4, 3),
+         (16, 1024, 4, 0, 2), (16, 1024, 4, 0, 4), (16, 1024, 8, 0, 3), (8, 1024, 4, 0, 3),
+         (16, 512, 4, 0, 4), (16, 2048, 8, 0, 3), (32, 512, 4, 0, 3))
+
+
+def previous_tiles(n: int, k: int, rows: int):
+    """The tiles of the kernel before split K (one slice, no chunk ahead): at 1 row
+    8 x 4096 float8 weights a program (whole rows up to K = 4096, else 8 x 2048
+    chunks), from 2 rows half that, 8 warps."""
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles
+
+    elems = 32768 if rows == 1 else 16384
+    if k <= 4096:
+        block_k = 1 << (k - 1).bit_length()
+        block_n = max(1, min(16, elems // block_k))
+        return GemvTiles(block_n, block_k, 8 if block_n * block_k >= 8192 else 4)
+    return GemvTiles(elems // 4096, 2048, 8)
+
+
+def _sweep_tiles(n: int, k: int, rows: int):
+    """``SWEEP`` with the rule's split for split 0, then the rule's own choice."""
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, filling_split
+
+    out = [choose_tiles(n, k, rows)]
+    for block_n, block_k, warps, split, stages in SWEEP:
+        split = split or filling_split(n, k, block_n, block_k, rows)
+        out.append(GemvTiles(block_n, block_k, warps, split, stages))
+    return list(dict.fromkeys(out))
 
 
 def _quantize(w, block):
@@ -81,16 +114,18 @@ class _Case:
             return F.silu(gate) * up, None
         return self.x, None
 
-    def fp8(self, q, s, block, config=None):
+    def fp8(self, q, s, block, counters, config=None):
+        """The FP8 kernel, with a layer's split-K counters (zero between calls)."""
+        from functools import partial
+
         from backend.core.kernels import fp8_gemv as g
 
-        nw = self.norm.weight
+        nw, opts = self.norm.weight, dict(block=block, config=config, counters=counters)
         if self.kind == "norm":
-            return lambda: g.fp8_rmsnorm_linear_rows(self.x, self.res, nw, 1e-5, q, s,
-                                                     block=block, config=config)
+            return partial(g.fp8_rmsnorm_linear_rows, self.x, self.res, nw, 1e-5, q, s, **opts)
         if self.kind == "silu":
-            return lambda: g.fp8_silu_mul_linear_rows(self.x, q, s, block=block, config=config)
-        return lambda: g.fp8_linear_rows(self.x, q, s, block=block, config=config)
+            return partial(g.fp8_silu_mul_linear_rows, self.x, q, s, **opts)
+        return partial(g.fp8_linear_rows, self.x, q, s, **opts)
 
     def prologue(self):
         """The prologue as its own fused launch (what precedes cuBLAS or W8A8)."""
@@ -121,81 +156,134 @@ class _Case:
         return lambda: layer(before())
 
 
-def check_gemv(device: str, sweep: bool = True) -> dict:
+def check_gemv(device: str, sweep: bool = True, rows=TIMED_ROWS) -> dict:
     """The checks, timings and sweep above, as a dict (``ok``: no check failed)."""
     import torch
 
     with torch.no_grad():
-        return _check_gemv(device, sweep)
+        return _check_gemv(device, sweep, tuple(rows))
 
 
-def _check_gemv(device: str, sweep: bool) -> dict:
+def _check_gemv(device: str, sweep: bool, timed_rows: tuple[int, ...]) -> dict:
     import torch
-    import torch.nn.functional as F
 
-    from backend.core.kernels.fp8_gemv import _config
+    from backend.core.kernels.fp8_gemv import tile_counters
+    from backend.core.kernels.fp8_gemv_tiles import choose_tiles
     from backend.core.layers.fp8_linear import Fp8Linear
     from benchmarks.gpu.bench_engine import copy_bandwidth
-    from tools.check_gemv_gpu import time_graph
 
     gen = torch.Generator(device=device).manual_seed(0)
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
     bw = copy_bandwidth(torch, device, 1 << 30)
+    before = (json.loads(BEFORE.read_text())["kernels"]["fp8_gemv"]["timing"]
+              if BEFORE.exists() else {})
     out = {"copy_bw_TBps": round(bw / 1e12, 3), "errors": {}, "timing": {}, "sweep": {},
            "failures": []}
     print(f"fp8 gemv: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     for name, (kind, n, k) in SHAPES.items():
         w = (torch.randn(n, k, generator=gen, device=device) * k ** -0.5).to(torch.bfloat16)
+        counters = tile_counters(n, device)
         for block in (0, BLOCK):
             q, s, deq = _quantize(w, block)
-            for rows in (1, 8):
-                case = _Case(kind, rows, n, k, gen, device)
-                act, ref_res = case.activation()
-                ref = F.linear(act.float(), deq)
-                got = case.fp8(q, s, block)()
-                got, got_res = got if isinstance(got, tuple) else (got, None)
-                diff = (got.float() - ref).abs()
-                bound = 2 * 2.0 ** -7 * ref.abs() + 1e-2 * ref.abs().amax(1, keepdim=True)
+            for rows in sorted(set(CHECKED_ROWS) | set(timed_rows)):
                 key = f"{name}/{'block' if block else 'channel'}/m{rows}"
-                out["errors"][key] = round(float(diff.max() / ref.abs().max()), 6)
-                if (diff > bound).any():
-                    out["failures"].append(f"{key}: max diff {diff.max().item():.4g}")
-                if ref_res is not None and not torch.equal(got_res, ref_res):
-                    out["failures"].append(f"{key}: residual differs")
-        copies = max(2, -(-4 * l2 // (n * k)))  # float8 bytes; bf16 streams twice as many
-        ws = [w] + [w.clone() for _ in range(copies - 1)]
-        layers = [Fp8Linear.from_linear(_as_linear(x)) for x in ws]
-        for rows in TIMED_ROWS:
+                case = _Case(kind, rows, n, k, gen, device)
+                err, failures = _check_one(case, case.fp8(q, s, block, counters), deq, counters)
+                out["errors"][key] = err
+                out["failures"] += [f"{key}: {f}" for f in failures]
+        ws, layers = _copies(w, Fp8Linear, torch, device)
+        for rows in timed_rows:
             case = _Case(kind, rows, n, k, gen, device)
-            t = {"bf16_us": time_graph([case.bf16(x) for x in ws]),
-                 "w8a8_us": time_graph([case.w8a8(lay) for lay in layers]),
-                 "fp8_gemv_us": time_graph([case.fp8(lay.weight, lay.weight_scale, 0)
-                                            for lay in layers])}
-            t = {key: round(v * 1e6, 2) for key, v in t.items()}
+            tiles = choose_tiles(n, k, rows)
+            t = {"bf16_us": _time([case.bf16(x) for x in ws]),
+                 "w8a8_us": _time([case.w8a8(lay) for lay in layers]),
+                 "fp8_gemv_us": _time(_fp8_calls(case, layers, tiles))}
+            if rows <= 2:
+                previous = previous_tiles(n, k, rows)
+                t["previous_tiles_us"] = _time(_fp8_calls(case, layers, previous))
+            if f"{name}/m{rows}" in before:
+                t["before_us"] = before[f"{name}/m{rows}"]["fp8_gemv_us"]
+            for key in [key for key in t if key.startswith(("fp8", "previous", "before"))]:
+                t[key.replace("_us", "_GBps")] = round(n * k / (t[key] * 1e-6) / 1e9, 1)
             t["fp8_gemv_hbm"] = round(n * k / (t["fp8_gemv_us"] * 1e-6) / bw, 3)
             t["vs_bf16"] = round(t["bf16_us"] / t["fp8_gemv_us"], 3)
             t["vs_w8a8"] = round(t["w8a8_us"] / t["fp8_gemv_us"], 3)
-            t["config"] = list(_config(n, k, rows))
+            if "before_us" in t:
+                t["vs_before"] = round(t["before_us"] / t["fp8_gemv_us"], 3)
+            t["tiles"] = list(tiles)
             out["timing"][f"{name}/m{rows}"] = t
             print(f"fp8 gemv {name} m={rows}: {t}", flush=True)
-        if sweep:
-            case = _Case(kind, 1, n, k, gen, device)
+        for rows in (1, 2) if sweep else ():
+            case = _Case(kind, rows, n, k, gen, device)
             grid = []
-            for config in dict.fromkeys([_config(n, k, 1), *SWEEP]):
+            for tiles in _sweep_tiles(n, k, rows):
                 try:
-                    us = time_graph([case.fp8(lay.weight, lay.weight_scale, 0, config)
-                                     for lay in layers]) * 1e6
-                except Exception as exc:  # noqa: BLE001 - a config may not compile
-                    print(f"   config {config}: {type(exc).__name__}", flush=True)
-                    continue
-                grid.append([list(config), round(us, 2)])
+                    grid.append([list(tiles), _time(_fp8_calls(case, layers, tiles))])
+                except Exception as exc:  # noqa: BLE001 - a tiling may not compile
+                    print(f"   tiles {tuple(tiles)}: {type(exc).__name__}", flush=True)
             grid.sort(key=lambda g: g[1])
-            out["sweep"][name] = grid
-            print(f"fp8 gemv sweep {name} (BLOCK_N, BLOCK_K, warps) us: {grid[:4]}", flush=True)
+            out["sweep"][f"{name}/m{rows}"] = grid
+            print(f"fp8 gemv sweep {name} m={rows} (BLOCK_N, BLOCK_K, warps, split, stages) "
+                  f"us: {grid[:4]}; rule {list(choose_tiles(n, k, rows))}", flush=True)
         del ws, layers
         torch.cuda.empty_cache()
     out["ok"] = not out["failures"]
+    _print_table(out["timing"])
     return out
+
+
+def _print_table(timing: dict) -> None:
+    """One line a projection and row count: the recorded time before split K, the
+    previous tiles, the rule's tiles (µs and GB/s), HBM share and speed-up on bf16."""
+    print("fp8 gemv    before_us  prev_tiles_us  new_us  new_GBps  hbm  vs_bf16  vs_before")
+    for key, t in timing.items():
+        print(f"{key:12s}{t.get('before_us', '-'):>9}  {t.get('previous_tiles_us', '-'):>13}"
+              f"  {t['fp8_gemv_us']:>6}  {t['fp8_gemv_GBps']:>8}  {t['fp8_gemv_hbm']:>4}"
+              f"  {t['vs_bf16']:>7}  {t.get('vs_before', '-'):>9}", flush=True)
+
+
+def _check_one(case, call, deq, counters) -> tuple[float, list[str]]:
+    """(max error / max |output|, failures) of one launch against the torch reference;
+    then the same launch ``REPEATS`` times: the same bits each time, counters at zero."""
+    import torch
+    import torch.nn.functional as F
+
+    act, ref_res = case.activation()
+    ref = F.linear(act.float(), deq)
+    got = call()
+    got, got_res = got if isinstance(got, tuple) else (got, None)
+    diff = (got.float() - ref).abs()
+    bound = 2 * 2.0 ** -7 * ref.abs() + 1e-2 * ref.abs().amax(1, keepdim=True)
+    failures = [f"max diff {diff.max().item():.4g}"] if (diff > bound).any() else []
+    if ref_res is not None and not torch.equal(got_res, ref_res):
+        failures.append("residual differs")
+    for _ in range(REPEATS):
+        again = call()
+        if not torch.equal(again[0] if isinstance(again, tuple) else again, got):
+            failures.append("a repeated launch gave other bits")
+            break
+    if counters.any():
+        failures.append("split-K counters not zero after the launches")
+    return round(float(diff.max() / ref.abs().max()), 6), failures
+
+
+def _copies(w, fp8_linear, torch, device) -> tuple[list, list]:
+    """(copies of ``w``, their FP8 layers): over 4x the L2 cache in float8 (bf16 streams
+    twice the bytes), so each timed call reads its weight from HBM."""
+    n, k = w.shape
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    ws = [w] + [w.clone() for _ in range(max(2, -(-4 * l2 // (n * k))) - 1)]
+    return ws, [fp8_linear.from_linear(_as_linear(x)) for x in ws]
+
+
+def _fp8_calls(case, layers, tiles) -> list:
+    return [case.fp8(lay.weight, lay.weight_scale, 0, lay.tile_counters, tiles)
+            for lay in layers]
+
+
+def _time(fns) -> float:
+    from tools.check_gemv_gpu import time_graph
+
+    return round(time_graph(fns) * 1e6, 2)
 
 
 def _as_linear(weight):
@@ -206,50 +294,3 @@ def _as_linear(weight):
     with torch.no_grad():
         linear.weight.copy_(weight)
     return linear
-
-
-def check_model(model_dir: str, device: str, layers: int = 2) -> dict:
-    """An FP8 model (``model_dir``'s shape, ``layers`` layers, random weights) through
-    the engine's own forward, eager: a 12-token prefill, then one decode step, whose
-    rows take the weight-only kernels with ``enable_fused_gemv`` and W8A8 without it;
-    each against the same model with its FP8 layers swapped for their dequantized
-    weights (``dequantize_linears``). The weight-only step must be the closer one."""
-    import torch
-    from transformers import AutoConfig
-
-    from backend.core.config import EngineConfig
-    from backend.core.forward_batch import ForwardBatch
-    from backend.core.layers.fp8_linear import dequantize_linears
-    from backend.core.model_runner import ModelRunner
-
-    hf = AutoConfig.from_pretrained(model_dir)
-    hf.num_hidden_layers = layers
-    ids = [(11 + 997 * i) % hf.vocab_size for i in range(13)]  # 12 to prefill, 1 to decode
-    logits = {}
-    for name in ("gemv", "w8a8", "reference"):
-        config = EngineConfig(model_path=model_dir, device=device, dtype="bfloat16",
-                              load_format="dummy", quantization="fp8", max_total_tokens=4096,
-                              max_running_requests=4, enable_cuda_graph=False,
-                              enable_fused_gemv=name == "gemv")
-        runner = ModelRunner(config, hf)
-        if name == "reference":
-            dequantize_linears(runner.model, runner.dtype)
-        prefill = ForwardBatch.build(
-            input_ids=ids[:12], req_pool_indices=[1], extend_prefix_lens=[0],
-            extend_seq_lens=[12], out_cache_loc=list(range(1, 13)), logits_indices=[11],
-            device=runner.to_device)
-        runner.forward(prefill)
-        decode = ForwardBatch.build(
-            input_ids=ids[12:], req_pool_indices=[1], extend_prefix_lens=[12],
-            extend_seq_lens=[1], out_cache_loc=[13], logits_indices=[0],
-            device=runner.to_device)
-        logits[name] = runner.forward(decode).float().clone()
-        del runner
-        torch.cuda.empty_cache()
-    ref = logits["reference"]
-    errs = {name: float((logits[name] - ref).abs().max() / ref.abs().max())
-            for name in ("gemv", "w8a8")}
-    ok = errs["gemv"] < min(errs["w8a8"], 5e-2)
-    print(f"fp8 model decode logits vs dequantized reference, max |diff| / max |logit|: "
-          f"{errs}", flush=True)
-    return {"decode_rel_err": errs, "ok": ok}

@@ -54,6 +54,10 @@ class Fp8BlockLinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.contiguous())
         self.register_buffer("bias", bias)
+        # the split-K launches' tile counts (kernels/fp8_gemv.py), zero between calls
+        self.register_buffer("tile_counters", torch.zeros(self.out_features, dtype=torch.int32,
+                                                          device=weight.device),
+                             persistent=False)
         self.fuse_rows = False  # small batches take the weight-only kernels (CUDA)
 
     @classmethod
@@ -75,7 +79,7 @@ class Fp8BlockLinear(nn.Module):
             from ..kernels.fp8_gemv import fp8_linear_rows
 
             y = fp8_linear_rows(rows, self.weight, self.weight_scale, self.bias,
-                                block=self.group)
+                                block=self.group, counters=self.tile_counters)
         elif x.is_cuda and self.kernel_fits():
             y = self.kernel_product(rows)
         else:
@@ -114,14 +118,15 @@ class Fp8BlockLinear(nn.Module):
         from ..kernels.fp8_gemv import fp8_rmsnorm_linear_rows
 
         return fp8_rmsnorm_linear_rows(x, residual, norm_weight, eps, self.weight,
-                                       self.weight_scale, self.bias, block=self.group)
+                                       self.weight_scale, self.bias, block=self.group,
+                                       counters=self.tile_counters)
 
     def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(F.silu(gate) * up)`` for ``rows_fusable`` rows gate_up [rows, 2K]."""
         from ..kernels.fp8_gemv import fp8_silu_mul_linear_rows
 
         return fp8_silu_mul_linear_rows(gate_up, self.weight, self.weight_scale, self.bias,
-                                        block=self.group)
+                                        block=self.group, counters=self.tile_counters)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the float8 values and block scales stand for, [out, in] in

@@ -64,6 +64,10 @@ class Fp8Linear(nn.Module):
         # [1, out]: the row-wise layout _scaled_mm takes for the second operand
         self.register_buffer("weight_scale", weight_scale.view(1, -1))
         self.register_buffer("bias", bias)
+        # the split-K launches' tile counts (kernels/fp8_gemv.py), zero between calls
+        self.register_buffer("tile_counters", torch.zeros(self.out_features, dtype=torch.int32,
+                                                          device=weight.device),
+                             persistent=False)
         self.fuse_rows = False  # small batches take the weight-only kernels (CUDA)
 
     @classmethod
@@ -78,7 +82,8 @@ class Fp8Linear(nn.Module):
         if self.rows_fusable(rows):
             from ..kernels.fp8_gemv import fp8_linear_rows
 
-            y = fp8_linear_rows(rows, self.weight, self.weight_scale, self.bias)
+            y = fp8_linear_rows(rows, self.weight, self.weight_scale, self.bias,
+                                counters=self.tile_counters)
             return y.view(*x.shape[:-1], self.out_features)
         if x.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
             y = scaled_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
@@ -105,13 +110,15 @@ class Fp8Linear(nn.Module):
         from ..kernels.fp8_gemv import fp8_rmsnorm_linear_rows
 
         return fp8_rmsnorm_linear_rows(x, residual, norm_weight, eps, self.weight,
-                                       self.weight_scale, self.bias)
+                                       self.weight_scale, self.bias,
+                                       counters=self.tile_counters)
 
     def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(F.silu(gate) * up)`` for ``rows_fusable`` rows gate_up [rows, 2K]."""
         from ..kernels.fp8_gemv import fp8_silu_mul_linear_rows
 
-        return fp8_silu_mul_linear_rows(gate_up, self.weight, self.weight_scale, self.bias)
+        return fp8_silu_mul_linear_rows(gate_up, self.weight, self.weight_scale, self.bias,
+                                        counters=self.tile_counters)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the float8 values and scales stand for, [out, in] in ``dtype``:

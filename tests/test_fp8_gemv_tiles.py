@@ -1,0 +1,105 @@
+"""The FP8 matrix-vector kernels' tiles (backend/core/kernels/fp8_gemv_tiles.py): the
+rule's choices for the 8B projections and how it scales, the K slices it cuts, and
+the default tiles compiled for the H200 (sm_90) without spilling registers, which the
+interpreter (test_fp8_gemv.py) cannot tell."""
+from __future__ import annotations
+
+import pytest
+
+
+def test_the_8b_projections_split_k_to_fill_one_round_of_resident_programs():
+    """Llama-3.1-8B on an H200 (132 SMs, 4 resident programs an SM at one row, 2 at two):
+    o and down at one row (256 tiles of 16 outputs) split K in two, qkv (384 tiles)
+    would overflow the 528 slots and does not; gate/up at one row (3584 tiles of 8)
+    keeps a whole row a program; at two rows (264 slots) nothing splits."""
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
+    assert choose_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
+    assert choose_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
+    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (7168, 2)  # 7 chunks each
+    assert choose_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 1, stages=3)
+    assert choose_tiles(28672, 4096, 1) == GemvTiles(8, 4096, 8, 1)
+    assert choose_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
+    assert choose_tiles(28672, 4096, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
+    assert choose_tiles(4096, 14336, 8) == GemvTiles(8, 1024, 4, 1, stages=3)
+
+
+def test_fewer_outputs_or_more_sms_split_k_further_but_never_below_two_chunks():
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles
+    assert choose_tiles(2048, 8192, 1) == GemvTiles(16, 1024, 4, 4, stages=3)  # 8 chunks
+    assert choose_tiles(2048, 8192, 2) == GemvTiles(16, 1024, 8, 2, stages=3)
+    assert choose_tiles(4096, 14336, 1, sms=264) == GemvTiles(16, 1024, 4, 4, stages=3)
+    assert choose_tiles(64, 2048, 1) == GemvTiles(16, 1024, 4, 1, stages=3)  # 2 chunks
+
+
+@pytest.mark.parametrize("k", [1, 64, 600, 1000, 4097, 14336])
+@pytest.mark.parametrize("split", [1, 2, 3, 5, 16])
+def test_k_slices_are_whole_chunks_that_cover_k_and_none_is_empty(k, split):
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, k_slice
+    per_slice, slices = k_slice(k, GemvTiles(8, 64, 4, split))
+    assert per_slice % 64 == 0 and 1 <= slices <= split
+    assert (slices - 1) * per_slice < k <= slices * per_slice
+
+
+def _compile_for_h200(prologue, rows, tiles, block, k):
+    """The kernel compiled ahead of time for sm_90 (the H200) by the installed Triton and
+    its ptxas, without a GPU; returns ptxas' resource line for it."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from backend.core.kernels import fp8_gemv
+    from backend.core.kernels.fp8_gemv_tiles import k_slice
+    pointers = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "W": "*fp8e4nv",
+                "Scale": "*fp32", "Bias": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
+                "Partial": "*fp32", "Counts": "*i32"}
+    ints = dict.fromkeys(["N", "K", "k_slice", "stride_x", "stride_r", "stride_wn",
+                          "stride_sn", "scale_rows"], "i32")
+    consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
+                  ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n,
+                  BLOCK_K=tiles.block_k, SPLIT=k_slice(k, tiles).count,
+                  WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages,
+                  NORM_BLOCK=min(triton.next_power_of_2(k), 4096))
+    signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
+    names = list(signature)
+    aligned = list(pointers) + ["N", "K", "k_slice", "stride_x", "stride_r", "stride_wn"]
+    source = ASTSource(fp8_gemv._fp8_gemv_kernel, signature,
+                       {(names.index(c),): v for c, v in consts.items()},
+                       {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": tiles.warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    return next(line for line in usage.splitlines() if "REG:" in line)
+
+
+@pytest.mark.parametrize("prologue, rows, block, n, k", [
+    (2, 1, 0, 6144, 4096), (2, 1, 0, 28672, 4096), (0, 1, 128, 4096, 4096),
+    (3, 1, 0, 4096, 14336), (2, 2, 128, 6144, 4096), (2, 2, 0, 28672, 4096),
+    (3, 2, 0, 4096, 14336), (3, 8, 0, 4096, 14336)])
+def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, rows, block,
+                                                                      n, k):
+    """The interpreter cannot tell whether the GPU compiler takes a kernel: the 8B
+    shapes' default tiles (add-norm before qkv/gate_up, plain, SiLU before down; whole
+    rows, chunks and split K) compile for sm_90 and keep everything in registers (no
+    local memory)."""
+    from backend.core.kernels.fp8_gemv_tiles import choose_tiles
+    usage = _compile_for_h200(prologue, rows, choose_tiles(n, k, rows), block, k)
+    assert "LOCAL:0 " in usage, usage
+
+
+def test_the_interpreter_cases_of_default_tiles_do_split_k():
+    """test_fp8_gemv.py's default-split cases (N = 48, K = 4100) and its K = 5000 shapes
+    run the split and pipelined path only while the rule splits them."""
+    from backend.core.kernels.fp8_gemv_tiles import choose_tiles
+    for n, k, rows in ((48, 4100, 1), (48, 4100, 2), (9, 5000, 2), (70, 5000, 8)):
+        tiles = choose_tiles(n, k, rows)
+        assert tiles.split == 2 and tiles.stages == 3 and tiles.block_k < k, (n, k, tiles)
