@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from interpreter_cases import REPO, results_of, run_cases
+from sm90_compile import compile_for_h200
 
 FP8 = torch.float8_e4m3fn
 
@@ -177,16 +178,7 @@ if __name__ == "__main__":
 
 
 def _compile_for_h200(config, has_bias: bool) -> str:
-    """The GEMM compiled ahead of time for sm_90 (the H200) by the installed Triton and
-    its ptxas, without a GPU; returns ptxas' resource line for it."""
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """The GEMM compiled ahead of time for sm_90 (the H200); ptxas' resource line for it."""
     from backend.core.kernels import fp8_block_gemm
     pointers = {"A": "*fp8e4nv", "AScale": "*fp32", "B": "*fp8e4nv", "BScale": "*fp32",
                 "Bias": "*bf16", "C": "*bf16"}
@@ -195,23 +187,11 @@ def _compile_for_h200(config, has_bias: bool) -> str:
     consts = dict(SCALE_ROWS=128, HAS_BIAS=has_bias, BLOCK_M=config.block_m,
                   BLOCK_N=config.block_n, BLOCK_K=128, GROUP_M=config.group_m)
     signature = {**pointers, **ints, **dict.fromkeys(consts, "constexpr")}
-    names = list(signature)
     aligned = list(pointers) + ["N", "K", "stride_am", "stride_bn", "stride_cm"]
-    source = ASTSource(fp8_block_gemm._block_gemm_kernel, signature,
-                       {(names.index(c),): v for c, v in consts.items()},
-                       {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": config.num_warps,
-                                     "num_stages": config.num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "cuobjdump")
-        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
-                               text=True, check=True).stdout
-    assert "wgmma" in kernel.asm["ptx"] or "mma.sync" in kernel.asm["ptx"]
-    return next(line for line in usage.splitlines() if "REG:" in line)
+    compiled = compile_for_h200(fp8_block_gemm._block_gemm_kernel, signature, consts, aligned,
+                                num_warps=config.num_warps, num_stages=config.num_stages)
+    assert "wgmma" in compiled.ptx or "mma.sync" in compiled.ptx
+    return compiled.resources
 
 
 @pytest.mark.parametrize("m, n", [(3, 6144), (32, 4096), (128, 28672), (1024, 4096)])

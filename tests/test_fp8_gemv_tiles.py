@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from sm90_compile import compile_for_h200
+
 
 def test_the_8b_projections_split_k_to_fill_one_round_of_resident_programs():
     """Llama-3.1-8B on an H200 (132 SMs, 4 resident programs an SM at one row, 2 at two):
@@ -41,15 +43,8 @@ def test_k_slices_are_whole_chunks_that_cover_k_and_none_is_empty(k, split):
 
 
 def _compile_for_h200(prologue, rows, tiles, block, k):
-    """The kernel compiled ahead of time for sm_90 (the H200) by the installed Triton and
-    its ptxas, without a GPU; returns ptxas' resource line for it."""
-    import os
-    import subprocess
-    import tempfile
-
+    """The kernel compiled ahead of time for sm_90 (the H200); ptxas' resource line for it."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from backend.core.kernels import fp8_gemv
     from backend.core.kernels.fp8_gemv_tiles import k_slice
@@ -64,21 +59,9 @@ def _compile_for_h200(prologue, rows, tiles, block, k):
                   WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages,
                   NORM_BLOCK=min(triton.next_power_of_2(k), 4096))
     signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
-    names = list(signature)
     aligned = list(pointers) + ["N", "K", "k_slice", "stride_x", "stride_r", "stride_wn"]
-    source = ASTSource(fp8_gemv._fp8_gemv_kernel, signature,
-                       {(names.index(c),): v for c, v in consts.items()},
-                       {(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": tiles.warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "cuobjdump")
-        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
-                               text=True, check=True).stdout
-    return next(line for line in usage.splitlines() if "REG:" in line)
+    return compile_for_h200(fp8_gemv._fp8_gemv_kernel, signature, consts, aligned,
+                            num_warps=tiles.warps).resources
 
 
 @pytest.mark.parametrize("prologue, rows, block, n, k", [
