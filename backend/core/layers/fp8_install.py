@@ -14,7 +14,7 @@ Two sources:
   twice.
 
 A fused projection takes the scales of its checkpoint pieces in order (QKV from q, k, v;
-gate/up from gate, up; ``_stacked`` of the model says which). Block grids stack when
+gate/up from gate, up; ``stacked_params`` of the model says which). Block grids stack when
 every piece but the last has a whole number of block rows; otherwise each row takes
 its own piece's block scales (``Fp8BlockLinear`` with 1-row blocks: the same numbers).
 Pieces that disagree (some scaled, some not, or block beside per-channel) are
@@ -66,7 +66,7 @@ def install_fp8(model: nn.Module, quantization: str, scales: dict | None = None)
     for name in names:
         linear = model.get_submodule(name)
         # a fused layer stored fused (Phi-3's qkv_proj) is its own one piece
-        pieces = [name] if name in scales else _piece_names(name, model._stacked)
+        pieces = [name] if name in scales else _piece_names(name, model.stacked_params)
         found = [scales.pop(p) for p in pieces if p in scales]
         if len(found) not in (0, len(pieces)):
             raise ValueError(f"float8 checkpoint: only some of {pieces} are stored in float8")

@@ -180,7 +180,9 @@ class LlamaForCausalLM(nn.Module):
         return gather_logits(local, self.config.vocab_size, self.tp)
 
     # ------------------------------------------------------------------ weights
-    _stacked = (  # checkpoint name piece -> (our parameter, shard index)
+    # checkpoint name piece -> (our fused parameter, shard index); the FP8 install reads
+    # it too, to find a fused layer's checkpoint pieces
+    stacked_params = (
         ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
         ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
     )
@@ -204,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            for piece, fused, shard in self._stacked:
+            for piece, fused, shard in self.stacked_params:
                 if f".{piece}." in name:
                     target = name.replace(piece, fused)
                     tensor = sharder.piece(fused, shard, tensor)
