@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from backend.core.layers.fp8_linear import WEIGHT_ONLY_ROWS
+from backend.core.kernels.fp8_gemv_tiles import split_k_tiles
 from interpreter_cases import REPO, results_of, run_cases
 
 FP8 = torch.float8_e4m3fn
@@ -161,8 +162,8 @@ def _case_model(arch, prompt_len):
 
 
 CASES = {}
-_SHAPES = (  # (n, k, rows): one whole-row tile (k <= 1024), or K = 5000 in 1024-wide
-    # chunks (a partial one) cut into two slices by the default tiles
+_SHAPES = (  # (n, k, rows): one whole-row tile (k <= 4096), or K = 5000 in 2048-wide
+    # chunks (a partial one) by the default tiles
     (37, 48, 1), (130, 600, 3), (9, 5000, 2), (200, 300, 5), (70, 5000, 8))
 for _block in (0, 128):
     _tag = f"block{_block}" if _block else "channel"
@@ -200,14 +201,16 @@ for _name, _case, _extra in (("linear", _case_linear, {}),
 for _rows in (1, 2):
     CASES[f"add-norm-linear-split3-stages3-r{_rows}"] = (_case_norm_linear, dict(
         n=70, k=600, rows=_rows, block=32, residual=True, config=(16, 64, 4, 3, 3)))
-# the default tiles where they split K (N small, K = 4100: 1024-column chunks, two slices)
+# the split-K alternative's own tiles where they split (N small, K = 4100: 1024-column
+# chunks, two slices, two ahead), as the sweep of tools/gpu/fp8_gemv_checks.py runs them
 for _name, _case, _extra in (("linear", _case_linear, {}),
                              ("norm-linear", _case_norm_linear, dict(residual=False)),
                              ("add-norm-linear", _case_norm_linear, dict(residual=True)),
                              ("silu-linear", _case_silu_linear, {})):
     for _rows in (1, 2):
-        CASES[f"{_name}-default-split-r{_rows}"] = (_case, dict(
-            n=48, k=4100, rows=_rows, block=0, **_extra))
+        CASES[f"{_name}-split-k-tiles-r{_rows}"] = (_case, dict(
+            n=48, k=4100, rows=_rows, block=0, config=tuple(split_k_tiles(48, 4100, _rows)),
+            **_extra))
 CASES["split-counters-are-zero-again-and-results-repeat"] = (_case_counters_reused, {})
 CASES["refuses-nine-rows"] = (_case_refuses_nine_rows, {})
 for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head
@@ -248,8 +251,8 @@ def test_only_batches_of_up_to_weight_only_rows_take_the_kernels_with_fuse_rows(
 def test_a_bias_must_share_the_rows_dtype():
     layer = _layer(bias=True)
     layer.fuse_rows = True
-    assert layer.rows_fusable(torch.randn(2, 32))  # float32 bias, float32 rows
-    assert not layer.rows_fusable(torch.randn(2, 32).half())
+    assert layer.rows_fusable(torch.randn(1, 32))  # float32 bias, float32 rows
+    assert not layer.rows_fusable(torch.randn(1, 32).half())
 
 
 def _worker() -> None:

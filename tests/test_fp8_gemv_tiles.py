@@ -9,28 +9,47 @@ import pytest
 from sm90_compile import compile_for_h200
 
 
-def test_the_8b_projections_split_k_to_fill_one_round_of_resident_programs():
-    """Llama-3.1-8B on an H200 (132 SMs, 4 resident programs an SM at one row, 2 at two):
-    o and down at one row (256 tiles of 16 outputs) split K in two, qkv (384 tiles)
-    would overflow the 528 slots and does not; gate/up at one row (3584 tiles of 8)
-    keeps a whole row a program; at two rows (264 slots) nothing splits."""
-    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
-    assert choose_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
-    assert choose_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
-    assert k_slice(14336, choose_tiles(4096, 14336, 1)) == (7168, 2)  # 7 chunks each
-    assert choose_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 1, stages=3)
-    assert choose_tiles(28672, 4096, 1) == GemvTiles(8, 4096, 8, 1)
-    assert choose_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
-    assert choose_tiles(28672, 4096, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
-    assert choose_tiles(4096, 14336, 8) == GemvTiles(8, 1024, 4, 1, stages=3)
+def test_the_default_tiles_are_whole_rows_of_k_up_to_4096_one_slice_nothing_ahead():
+    """What the GPU timed fastest for Llama-3.1-8B's projections: at one row 32768
+    float8 weights a program (8 whole rows of 4096), at two 16384 (4 rows); K = 14336
+    (down) in 2048-column chunks; never a split, never a chunk ahead."""
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles
+    assert choose_tiles(6144, 4096, 1) == GemvTiles(8, 4096, 8, 1, 1)
+    assert choose_tiles(4096, 4096, 1) == GemvTiles(8, 4096, 8)
+    assert choose_tiles(28672, 4096, 1) == GemvTiles(8, 4096, 8)
+    assert choose_tiles(4096, 14336, 1) == GemvTiles(8, 2048, 8)
+    assert choose_tiles(6144, 4096, 2) == GemvTiles(4, 4096, 8)
+    assert choose_tiles(4096, 14336, 2) == GemvTiles(4, 2048, 8)
+    # narrow K: up to 16 rows a program, fewer warps below 8192 weights
+    assert choose_tiles(576, 576, 1) == GemvTiles(16, 1024, 8)
+    assert choose_tiles(100, 300, 2) == GemvTiles(16, 512, 8)
+    assert choose_tiles(100, 200, 2) == GemvTiles(16, 256, 4)
+    assert choose_tiles(4096, 14336, 1, sms=264) == choose_tiles(4096, 14336, 1)
+
+
+def test_the_split_k_alternative_fills_one_round_of_resident_programs():
+    """The sweep's split-K tiling for the 8B shape on an H200 (132 SMs, 4 resident
+    programs an SM at one row, 2 at two): o and down at one row (256 tiles of 16
+    outputs) split K in two, qkv (384 tiles) would overflow the 528 slots and does not;
+    gate/up at one row (3584 tiles of 8) keeps a whole row a program; at two rows (264
+    slots) nothing splits."""
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, k_slice, split_k_tiles
+    assert split_k_tiles(4096, 4096, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
+    assert split_k_tiles(4096, 14336, 1) == GemvTiles(16, 1024, 4, 2, stages=3)
+    assert k_slice(14336, split_k_tiles(4096, 14336, 1)) == (7168, 2)  # 7 chunks each
+    assert split_k_tiles(6144, 4096, 1) == GemvTiles(16, 1024, 4, 1, stages=3)
+    assert split_k_tiles(28672, 4096, 1) == GemvTiles(8, 4096, 8, 1)
+    assert split_k_tiles(4096, 14336, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
+    assert split_k_tiles(28672, 4096, 2) == GemvTiles(16, 1024, 8, 1, stages=3)
+    assert split_k_tiles(4096, 14336, 8) == GemvTiles(8, 1024, 4, 1, stages=3)
 
 
 def test_fewer_outputs_or_more_sms_split_k_further_but_never_below_two_chunks():
-    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles
-    assert choose_tiles(2048, 8192, 1) == GemvTiles(16, 1024, 4, 4, stages=3)  # 8 chunks
-    assert choose_tiles(2048, 8192, 2) == GemvTiles(16, 1024, 8, 2, stages=3)
-    assert choose_tiles(4096, 14336, 1, sms=264) == GemvTiles(16, 1024, 4, 4, stages=3)
-    assert choose_tiles(64, 2048, 1) == GemvTiles(16, 1024, 4, 1, stages=3)  # 2 chunks
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, split_k_tiles
+    assert split_k_tiles(2048, 8192, 1) == GemvTiles(16, 1024, 4, 4, stages=3)  # 8 chunks
+    assert split_k_tiles(2048, 8192, 2) == GemvTiles(16, 1024, 8, 2, stages=3)
+    assert split_k_tiles(4096, 14336, 1, sms=264) == GemvTiles(16, 1024, 4, 4, stages=3)
+    assert split_k_tiles(64, 2048, 1) == GemvTiles(16, 1024, 4, 1, stages=3)  # 2 chunks
 
 
 @pytest.mark.parametrize("k", [1, 64, 600, 1000, 4097, 14336])
@@ -72,17 +91,17 @@ def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, r
                                                                       n, k):
     """The interpreter cannot tell whether the GPU compiler takes a kernel: the 8B
     shapes' default tiles (add-norm before qkv/gate_up, plain, SiLU before down; whole
-    rows, chunks and split K) compile for sm_90 and keep everything in registers (no
+    rows and 2048-column chunks) compile for sm_90 and keep everything in registers (no
     local memory)."""
     from backend.core.kernels.fp8_gemv_tiles import choose_tiles
     usage = _compile_for_h200(prologue, rows, choose_tiles(n, k, rows), block, k)
     assert "LOCAL:0 " in usage, usage
 
 
-def test_the_interpreter_cases_of_default_tiles_do_split_k():
-    """test_fp8_gemv.py's default-split cases (N = 48, K = 4100) and its K = 5000 shapes
-    run the split and pipelined path only while the rule splits them."""
-    from backend.core.kernels.fp8_gemv_tiles import choose_tiles
-    for n, k, rows in ((48, 4100, 1), (48, 4100, 2), (9, 5000, 2), (70, 5000, 8)):
-        tiles = choose_tiles(n, k, rows)
-        assert tiles.split == 2 and tiles.stages == 3 and tiles.block_k < k, (n, k, tiles)
+def test_the_interpreter_split_k_cases_do_split_k():
+    """test_fp8_gemv.py's split-K-tile cases (N = 48, K = 4100) run the split and
+    pipelined path only while that tiling splits them."""
+    from backend.core.kernels.fp8_gemv_tiles import split_k_tiles
+    for rows in (1, 2):
+        tiles = split_k_tiles(48, 4100, rows)
+        assert tiles.split == 2 and tiles.stages == 3 and tiles.block_k < 4100, tiles

@@ -14,7 +14,7 @@ GPU, the ``gemv`` part of ``check_fp8.py`` (and of its ``kernels`` part):
   then cuBLAS above) and W8A8 (the same prologue, then the per-token quantization and
   ``_scaled_mm``), each call streaming its weights from HBM (copies totalling over 4x
   the L2 cache, replayed in a CUDA graph); the FP8 kernel with ``choose_tiles``' tiles
-  and, at 1 and 2 rows, with the tiles it had before split K (``PREVIOUS_TILES``), with
+  and, at 1 and 2 rows, with the split-K alternative (``split_k_tiles``), with
   the bandwidth each reaches (GB/s and share of a device-to-device copy's) and the time
   recorded for the kernel before split K (docs/benchmarks/fp8_gemv_gpu.json, ``before_us``);
 * a tile sweep at 1 and 2 rows (per-channel scales): ``SWEEP`` and the rule's choice,
@@ -41,25 +41,11 @@ SWEEP = ((8, 4096, 8, 1, 1), (16, 1024, 4, 0, 3), (16, 1024, 4, 1, 3), (16, 1024
          (16, 512, 4, 0, 4), (16, 2048, 8, 0, 3), (32, 512, 4, 0, 3))
 
 
-def previous_tiles(n: int, k: int, rows: int):
-    """The tiles of the kernel before split K (one slice, no chunk ahead): at 1 row
-    8 x 4096 float8 weights a program (whole rows up to K = 4096, else 8 x 2048
-    chunks), from 2 rows half that, 8 warps."""
-    from backend.core.kernels.fp8_gemv_tiles import GemvTiles
-
-    elems = 32768 if rows == 1 else 16384
-    if k <= 4096:
-        block_k = 1 << (k - 1).bit_length()
-        block_n = max(1, min(16, elems // block_k))
-        return GemvTiles(block_n, block_k, 8 if block_n * block_k >= 8192 else 4)
-    return GemvTiles(elems // 4096, 2048, 8)
-
-
 def _sweep_tiles(n: int, k: int, rows: int):
     """``SWEEP`` with the rule's split for split 0, then the rule's own choice."""
     from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, filling_split
 
-    out = [choose_tiles(n, k, rows)]
+    out = [choose_tiles(n, k, rows), split_k_tiles(n, k, rows)]
     for block_n, block_k, warps, split, stages in SWEEP:
         split = split or filling_split(n, k, block_n, block_k, rows)
         out.append(GemvTiles(block_n, block_k, warps, split, stages))
@@ -168,7 +154,7 @@ def _check_gemv(device: str, sweep: bool, timed_rows: tuple[int, ...]) -> dict:
     import torch
 
     from backend.core.kernels.fp8_gemv import tile_counters
-    from backend.core.kernels.fp8_gemv_tiles import choose_tiles
+    from backend.core.kernels.fp8_gemv_tiles import choose_tiles, split_k_tiles
     from backend.core.layers.fp8_linear import Fp8Linear
     from benchmarks.gpu.bench_engine import copy_bandwidth
 
@@ -198,11 +184,10 @@ def _check_gemv(device: str, sweep: bool, timed_rows: tuple[int, ...]) -> dict:
                  "w8a8_us": _time([case.w8a8(lay) for lay in layers]),
                  "fp8_gemv_us": _time(_fp8_calls(case, layers, tiles))}
             if rows <= 2:
-                previous = previous_tiles(n, k, rows)
-                t["previous_tiles_us"] = _time(_fp8_calls(case, layers, previous))
+                t["split_k_us"] = _time(_fp8_calls(case, layers, split_k_tiles(n, k, rows)))
             if f"{name}/m{rows}" in before:
                 t["before_us"] = before[f"{name}/m{rows}"]["fp8_gemv_us"]
-            for key in [key for key in t if key.startswith(("fp8", "previous", "before"))]:
+            for key in [key for key in t if key.startswith(("fp8", "split_k", "before"))]:
                 t[key.replace("_us", "_GBps")] = round(n * k / (t[key] * 1e-6) / 1e9, 1)
             t["fp8_gemv_hbm"] = round(n * k / (t["fp8_gemv_us"] * 1e-6) / bw, 3)
             t["vs_bf16"] = round(t["bf16_us"] / t["fp8_gemv_us"], 3)
@@ -232,11 +217,12 @@ def _check_gemv(device: str, sweep: bool, timed_rows: tuple[int, ...]) -> dict:
 
 
 def _print_table(timing: dict) -> None:
-    """One line a projection and row count: the recorded time before split K, the
-    previous tiles, the rule's tiles (µs and GB/s), HBM share and speed-up on bf16."""
-    print("fp8 gemv    before_us  prev_tiles_us  new_us  new_GBps  hbm  vs_bf16  vs_before")
+    """One line a projection and row count: the time recorded on the H200 before split
+    K (another machine instance: no ratio), the split-K tiles, the rule's tiles (µs and
+    GB/s), HBM share and speed-up on bf16."""
+    print("fp8 gemv    before_us  split_k_us  rule_us  rule_GBps  hbm  vs_bf16  vs_before")
     for key, t in timing.items():
-        print(f"{key:12s}{t.get('before_us', '-'):>9}  {t.get('previous_tiles_us', '-'):>13}"
+        print(f"{key:12s}{t.get('before_us', '-'):>9}  {t.get('split_k_us', '-'):>10}"
               f"  {t['fp8_gemv_us']:>6}  {t['fp8_gemv_GBps']:>8}  {t['fp8_gemv_hbm']:>4}"
               f"  {t['vs_bf16']:>7}  {t.get('vs_before', '-'):>9}", flush=True)
 

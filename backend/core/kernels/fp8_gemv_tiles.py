@@ -1,5 +1,12 @@
 """Tile sizes and the split of K for the FP8 matrix-vector kernels (``fp8_gemv.py``).
 
+The default (``choose_tiles``) is one K slice a program, whole rows of K up to 4096
+columns, no chunk requested ahead: timed on the GPU, it beats the split-K tiling below
+on every projection of the 8B shape at one and two rows. The split-K tiling
+(``split_k_tiles``) stays as the sweep's alternative; what follows is its reasoning,
+which the timings did not bear out (the chunks' pipelining and the slices' reduction
+cost more than the fuller rounds of programs gain).
+
 A decode step's projection is bound by its weight bytes only while every SM keeps
 enough loads in flight until the last byte arrives. Two things break that:
 
@@ -25,7 +32,7 @@ per strip it holds, whatever the rows of the strip: it costs ``16 * e / weights 
 thread holds`` a weight and input row. 16 x 1024 chunks at 4 warps give 128 weights a
 thread (e / 8) at one row; at two rows 8 warps (64 weights a thread, e / 4), since
 the widened weights stay in registers for both rows (128 registers; 4 warps would take
-about 220). From 3 rows (the tool's timings only: ``WEIGHT_ONLY_ROWS`` is 2) 8 x 1024
+about 220). From 3 rows (the tool's timings only) 8 x 1024
 at 4 warps. Compiled for sm_90, the chunk loop issues 3.8 (o), 4.4 (qkv) and 5.5
 (down) instructions a weight at one row, 6.2-7.9 at two.
 ``tools/gpu/check_fp8.py --parts gemv`` (without ``--no-sweep``) times these choices
@@ -61,7 +68,27 @@ class GemvTiles(NamedTuple):
 
 
 def choose_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
-    """The rule above for an [N, K] float8 weight and ``rows`` input rows on ``sms`` SMs."""
+    """The default tiles for an [N, K] float8 weight and ``rows`` input rows: whole
+    rows of K a program where K <= 4096 (``elements`` float8 weights a program: 32768 at
+    one row, 16384 from two), else 2048-column chunks; one K slice, no chunk ahead.
+
+    Measured, not derived: on an H100 (and on the H200 before split K) these tiles beat
+    the split-K rule (``split_k_tiles``) at one row by 1.0-2.3x a projection of the 8B
+    shape and at two rows by 1.0-1.9x (``tools/gpu/check_fp8.py --parts gemv``, same
+    call). ``sms`` stays in the signature for the sweep's split-K alternatives."""
+    del sms  # the whole-row tiles do not depend on the SM count
+    elements = 32768 if rows == 1 else 16384
+    if k <= 4096:
+        block_k = triton.next_power_of_2(k)
+        block_n = max(1, min(16, elements // block_k))
+        return GemvTiles(block_n, block_k, 8 if block_n * block_k >= 8192 else 4)
+    return GemvTiles(elements // 4096, 2048, 8)
+
+
+def split_k_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
+    """The split-K alternative the sweep times against ``choose_tiles``: the rule above
+    this module's docstring describes (chunks streamed ahead, K split to fill one round
+    of resident programs; whole rows for large grids at one row)."""
     if rows == 1 and triton.cdiv(n, 8) >= WHOLE_ROW_PROGRAMS_PER_SM * sms:
         # one 8 x K tile a program up to K = 4096 (else 8 x 2048 chunks), 8 warps
         return GemvTiles(8, min(triton.next_power_of_2(k), 4096 if k <= 4096 else 2048), 8)

@@ -36,7 +36,7 @@ from ..fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, to_fp8
 DEFAULT_BLOCK = (128, 128)
 # Rows up to which the weight-only kernels run: the bound of fp8_linear.WEIGHT_ONLY_ROWS,
 # which says why (same kernels; not imported: fp8_linear imports this module)
-WEIGHT_ONLY_ROWS = 2
+WEIGHT_ONLY_ROWS = 1
 
 
 class Fp8BlockLinear(nn.Module):
@@ -175,7 +175,10 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     groups = -(-cols // group)
     padded = x.new_zeros((tokens, groups * group), dtype=torch.float32)
     padded[:, :cols] = x.abs()
-    scale = (padded.view(tokens, groups, group).amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = padded.view(tokens, groups, group).amax(dim=-1)
+    # a tensor divisor: CUDA torch multiplies by the reciprocal of a Python scalar one,
+    # which differs from the IEEE quotient (what the kernel and CPU torch give) by an ulp
+    scale = (amax / amax.new_tensor(FP8_MAX)).clamp(min=MIN_SCALE)
     return to_fp8(x, expand_scales(scale, tokens, cols, (1, group))), scale
 
 

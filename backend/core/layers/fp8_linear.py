@@ -19,7 +19,7 @@ are bound by the matrix products, and the float8 tensor cores run twice the bf16
 a weight-only kernel halves the weight bytes too but computes in bf16.
 ``tools/gpu/check_fp8.py`` measures both products by batch size.
 
-Batches of at most ``WEIGHT_ONLY_ROWS`` rows (decode at batch 1 and 2) are bound by the
+Batches of at most ``WEIGHT_ONLY_ROWS`` rows (decode at batch 1) are bound by the
 weight bytes instead, and there the layer skips the activation quantization: with
 ``fuse_rows`` set (the model runner sets it on CUDA, as for the bf16 matrix-vector
 kernels) they take weight-only products (``kernels/fp8_gemv.py``), the model-dtype rows
@@ -47,8 +47,11 @@ _MM_ALIGN = 16
 # Their multiplies run on the CUDA cores: compiled for sm_90 they issue 3.5 to 6.5
 # instructions a float8 weight at one row and 3.5 more for each further row, so from
 # about 4 rows on the issue rate, not HBM, bounds them, where W8A8's tensor cores do
-# not; tools/gpu/fp8_gemv_checks.py times both at 1, 2, 4 and 8 rows.
-WEIGHT_ONLY_ROWS = 2
+# not; tools/gpu/fp8_gemv_checks.py times both at 1, 2, 4 and 8 rows. At two rows the
+# 8B layer's four projections already take longer weight-only than W8A8 (H200: 169 us
+# against 140, H100: 175 against 149; the gate/up projection 90 against 50), so only
+# single rows take them.
+WEIGHT_ONLY_ROWS = 1
 
 
 class Fp8Linear(nn.Module):
