@@ -58,7 +58,7 @@ class WalkCandidates:
         pass
 
     def refresh(self) -> None:
-        nodes = self.cache._nodes()
+        nodes = self.cache.nodes()
         self.device.snapshot = [n for n in nodes if n.value]
         self.host.snapshot = [n for n in nodes if n.host]
         self.new_tokens = sum(len(n.key) * (bool(n.value) + bool(n.host))

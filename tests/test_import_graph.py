@@ -98,6 +98,7 @@ def test_the_layers_point_one_way():
         assert all(dep.startswith("backend.core") for dep in graph[module]), module
     policy = ["backend.core.scheduler", "backend.core.radix_cache", "backend.core.request",
               "backend.core.kv_allocator", "backend.core.radix_node", "backend.core.tiers",
+              "backend.core.radix_integrity", "backend.core.schedule_plan",
               "backend.core.eviction", "backend.core.reuse_model", "backend.core.host_tier"]
     device = {"backend.core.model_runner", "backend.core.forward_step", "backend.core.memory_pool",
               "backend.core.transfer", "backend.core.sampling", "backend.core.engine",
@@ -115,6 +116,7 @@ def test_no_core_module_imports_triton_python_backend_utils():
 
 @pytest.mark.parametrize("modules", [
     "backend.core.scheduler backend.core.radix_cache backend.core.request "
+    "backend.core.radix_node backend.core.radix_integrity backend.core.schedule_plan "
     "backend.core.kv_allocator backend.core.groups backend.core.eviction "
     "backend.core.tiers backend.core.host_tier backend.core.reuse_model",
     "backend.core.detokenizer",

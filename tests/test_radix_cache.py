@@ -8,7 +8,8 @@ import random
 
 from backend.core.eviction import LRUPolicy
 from backend.core.kv_allocator import KVSlotAllocator
-from backend.core.radix_cache import NoCache, RadixCache, common_prefix_len
+from backend.core.radix_cache import NoCache, RadixCache
+from backend.core.radix_node import common_prefix_len
 
 
 def _pool(size: int) -> KVSlotAllocator:
@@ -30,7 +31,7 @@ def _put(cache: RadixCache, tokens: list[int]) -> list[int]:
 
 def _edges(cache: RadixCache) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Every edge of the tree as (key, value)."""
-    return {(tuple(n.key), tuple(n.value)) for n in cache._nodes()}
+    return {(tuple(n.key), tuple(n.value)) for n in cache.nodes()}
 
 
 def _depth(cache: RadixCache, node) -> int:

@@ -13,7 +13,8 @@ from backend.core.kv_allocator import KVSlotAllocator, TableRowAllocator
 from backend.core.radix_cache import RadixCache
 from backend.core.request import Req
 from backend.core.sampling_params import SamplingParams
-from backend.core.scheduler import Scheduler, TableWrite
+from backend.core.schedule_plan import TableWrite
+from backend.core.scheduler import Scheduler
 
 
 def make(pool: int = 64, rows: int = 8, **settings) -> Scheduler:

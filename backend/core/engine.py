@@ -16,7 +16,6 @@ loop thread. ``Engine`` is an ``EngineHandle`` (handle.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ import uuid
 import torch
 
 from .config import EngineConfig
+from .engine_stats import check_kv_accounting, engine_stats
 from .loaders import load_tokenizer, open_checkpoint
 from .eviction import make_policy
 from .forward_step import ForwardStep, InFlight
@@ -284,50 +284,14 @@ class Engine:
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict:
-        slots = self.slots
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_tokens_total": slots.size,
-            "kv_tokens_used": slots.size - slots.available_size(),
-            "kv_tokens_in_use_by_requests": self.cache.protected_size + sum(
-                r.num_computed - r.tree_owned_len for r in self.scheduler.running),
-            "radix_cache_tokens": self.cache.total_size(),
-            "num_retractions": self.scheduler.num_retractions,
-            "context_len": self.context_len,
-            **dataclasses.asdict(self.counters),
-            **self._host_tier_stats(),
-        }
-
-    def _host_tier_stats(self) -> dict:
-        """The host tier's size, use and traffic (totals since start)."""
-        host, mover = self.cache.host, self.kv_mover
-        return {
-            "host_cache_tokens_total": host.size if host is not None else 0,
-            "host_cache_tokens": self.cache.host_size,
-            "host_loads_in_flight": self.cache.tiers.loads_in_flight,
-            "host_saved_tokens": self.cache.tiers.saved_tokens,
-            "host_loaded_tokens": self.cache.tiers.loaded_tokens,
-            "kv_bytes_to_host": mover.bytes_to_host,
-            "kv_bytes_to_device": mover.bytes_to_device,
-            "host_loads": mover.loads,
-            "host_load_seconds": mover.load_seconds,
-        }
+        """Queue lengths, KV use, totals and the host tier's figures (engine_stats.py)."""
+        return engine_stats(self.scheduler, self.kv_mover, self.counters, self.context_len)
 
     def check_integrity(self) -> None:
         """Every KV slot is exactly one of: free, in the radix tree, or owned by a running
         request; every host block is free or in the tree. Raises AssertionError on a leak
-        or a double owner."""
-        self.cache.check_integrity()
-        slots = self.slots
-        free, cached, owned = slots.free_slots(), self.cache.cached_slots(), self.scheduler.owned_slots()
-        every = sorted(free + cached + owned)
-        assert every == list(range(1, slots.size + 1)), (
-            f"slot accounting broken: {len(free)} free + {len(cached)} cached + {len(owned)} owned "
-            f"!= {slots.size} (or duplicates)")
-        if not self.scheduler.running and not self.cache.tiers.loads_in_flight:
-            assert self.cache.protected_size == 0, "tree nodes still locked with nothing running"
-            assert self.rows.available_size() == self.rows.num_rows - 1
+        or a double owner (engine_stats.py)."""
+        check_kv_accounting(self.scheduler)
 
 
 def _as_params(p) -> SamplingParams:

@@ -82,7 +82,7 @@ PROBATION_RANK = 1e9  # far below any density
 
 
 class NodeStats(Protocol):
-    """What a policy reads of a tree node (``radix_cache.TreeNode``)."""
+    """What a policy reads of a tree node (``radix_node.TreeNode``)."""
 
     key: list[int]
     last_access: int  # the tree's recency clock at the last match through the node

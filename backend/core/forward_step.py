@@ -27,7 +27,7 @@ from .outputs import TokenLogprob
 from .parallel.protocol import RankStep
 from .request import Req
 from .sampling import SampleResult, SamplingRow, sample
-from .scheduler import ScheduledItem, SchedulePlan
+from .schedule_plan import ScheduledItem, SchedulePlan
 
 
 def placeholder(row: int) -> int:

@@ -9,7 +9,7 @@ import threading
 
 from .detokenizer import TokenDecoder
 from .limits import RequestLimits
-from .radix_cache import common_prefix_len
+from .radix_node import common_prefix_len
 from .request import LogitRules, Req
 from .sampling_params import SamplingParams
 from .text_state import TextState

@@ -19,7 +19,8 @@ Tiers (``tiers.py`` moves KV between them)::
     host hit:        the matched host-only nodes get device slots and a HostLoad; they
                      stay locked ("loading") until the device side reports it done
 
-Slot and block accounting (checked by ``check_integrity`` and ``Engine.check_integrity``)::
+Slot and block accounting (``radix_integrity.py`` checks the tree's side, with its
+other invariants; ``Engine.check_integrity`` the slots')::
 
     slots.size == free slots + slots in the tree + slots owned by running requests
                                 (evictable + protected)   (not yet inserted)
@@ -35,10 +36,11 @@ from .eviction import EvictionPolicy, LRUPolicy, ghost_key
 from .eviction_queue import EvictionCandidates
 from .host_tier import HostBlockAllocator, HostCopy
 from .kv_allocator import KVSlotAllocator
-from .radix_node import MatchResult, TreeNode
+from .radix_integrity import check_tree
+from .radix_node import MatchResult, TreeNode, common_prefix_len
 from .tiers import TierMover
 
-__all__ = ["MatchResult", "NoCache", "RadixCache", "TreeNode", "common_prefix_len"]
+__all__ = ["NoCache", "RadixCache"]
 
 
 class RadixCache:
@@ -255,7 +257,7 @@ class RadixCache:
         return self.tiers.take_copies()
 
     def reset(self) -> None:
-        for node in self._nodes():
+        for node in self.nodes():
             self.slots.free(node.value)
             if node.host:
                 self.host.free(node.host)
@@ -263,7 +265,8 @@ class RadixCache:
         self.evictable_size = self.protected_size = self.host_size = 0
         self.candidates.reset()
 
-    def _nodes(self) -> list[TreeNode]:
+    def nodes(self) -> list[TreeNode]:
+        """Every node but the root (a walk of the whole tree: for resets and checks)."""
         out, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -273,41 +276,14 @@ class RadixCache:
 
     # ---------------------------------------------------------------- checking
     def cached_slots(self) -> list[int]:
-        return [slot for node in self._nodes() for slot in node.value]
+        return [slot for node in self.nodes() for slot in node.value]
 
     def cached_host_blocks(self) -> list[int]:
-        return [block for node in self._nodes() for block in node.host]
+        return [block for node in self.nodes() for block in node.host]
 
     def check_integrity(self) -> None:
-        evictable = protected = host = 0
-        nodes = self._nodes()
-        self.tiers.check_candidates(nodes)
-        for node in nodes:
-            n = len(node.key)
-            assert n > 0, "empty edge"
-            assert len(node.value) in (0, n) and len(node.host) in (0, n), "ragged edge"
-            assert node.value or node.host, "a node with its KV nowhere"
-            assert self.host is not None or not node.host, "host blocks without a host tier"
-            assert node.parent.children.get(node.key[0]) is node, "broken parent link"
-            assert not node.value or node.parent is self.root or node.parent.value, \
-                "a device node under a host-only node"
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            assert node.lock_ref >= child_locks, "child locked more than its parent"
-            assert not node.loading or (node.value and node.host and node.lock_ref), \
-                "a loading node must be on both tiers and locked"
-            host += len(node.host)
-            if not node.value:
-                continue
-            if node.lock_ref:
-                protected += n
-            else:
-                evictable += n
-        assert evictable == self.evictable_size, f"evictable {evictable} != {self.evictable_size}"
-        assert protected == self.protected_size, f"protected {protected} != {self.protected_size}"
-        assert host == self.host_size, f"host {host} != {self.host_size}"
-        if self.host is not None:
-            every = sorted(self.cached_host_blocks() + self.host.free_blocks())
-            assert every == list(range(self.host.size)), "host block accounting broken"
+        """Assert the tree's invariants and totals (radix_integrity.py); no step calls it."""
+        check_tree(self)
 
 
 class NoCache(RadixCache):
@@ -328,37 +304,3 @@ class NoCache(RadixCache):
 
     def insert(self, token_ids: list[int], kv_indices: list[int]) -> int:
         return len(token_ids)  # "all present": the caller frees every slot it passed
-
-
-# below this many tokens left to search, compare token by token
-_SCAN = 16
-
-
-def common_prefix_len(key: list[int], token_ids: list[int], start: int = 0) -> int:
-    """How many leading tokens of ``key`` equal ``token_ids[start:]``.
-
-    Slices of lists compare in C: the whole stretch is compared at once (a match runs
-    through whole edges but at most one), and where it differs the first difference is
-    found by halving the stretch that holds it, not token by token in Python."""
-    n = min(len(key), len(token_ids) - start)
-    if type(key) is not type(token_ids):
-        return _scan(key, token_ids, start, 0, n)
-    if n == len(key):
-        if key == token_ids[start:start + n]:
-            return n
-    elif key[:n] == token_ids[start:start + n]:
-        return n
-    lo, hi = 0, n  # key[:lo] matches; the first difference lies in [lo, hi)
-    while hi - lo > _SCAN:
-        mid = (lo + hi) // 2
-        if key[lo:mid] == token_ids[start + lo:start + mid]:
-            lo = mid
-        else:
-            hi = mid
-    return _scan(key, token_ids, start, lo, hi)
-
-
-def _scan(key: list[int], token_ids: list[int], start: int, i: int, n: int) -> int:
-    while i < n and key[i] == token_ids[start + i]:
-        i += 1
-    return i

@@ -1,4 +1,11 @@
-"""A node of the radix tree and the result of a prefix match (plain Python)."""
+"""A node of the radix tree, the result of a prefix match, and ``common_prefix_len``:
+how a walk compares an edge with the tokens it looks for (plain Python).
+
+What every part of the prefix cache shares, apart from the cache itself: its operations
+(``radix_cache.py``), its tier moves (``tiers.py``), its eviction queue and its checks
+(``radix_integrity.py``) all read these nodes, and the comparison is the one inner loop
+of every match and insert (``intake`` uses it too, for a choice's tokens).
+"""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -45,3 +52,37 @@ class MatchResult(NamedTuple):
     def deepest(self) -> TreeNode:
         """Lock this while the match is in use (it pins the host part too)."""
         return self.host_node if self.host_node is not None else self.last_node
+
+
+# below this many tokens left to search, compare token by token
+_SCAN = 16
+
+
+def common_prefix_len(key: list[int], token_ids: list[int], start: int = 0) -> int:
+    """How many leading tokens of ``key`` equal ``token_ids[start:]``.
+
+    Slices of lists compare in C: the whole stretch is compared at once (a match runs
+    through whole edges but at most one), and where it differs the first difference is
+    found by halving the stretch that holds it, not token by token in Python."""
+    n = min(len(key), len(token_ids) - start)
+    if type(key) is not type(token_ids):
+        return _scan(key, token_ids, start, 0, n)
+    if n == len(key):
+        if key == token_ids[start:start + n]:
+            return n
+    elif key[:n] == token_ids[start:start + n]:
+        return n
+    lo, hi = 0, n  # key[:lo] matches; the first difference lies in [lo, hi)
+    while hi - lo > _SCAN:
+        mid = (lo + hi) // 2
+        if key[lo:mid] == token_ids[start + lo:start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return _scan(key, token_ids, start, lo, hi)
+
+
+def _scan(key: list[int], token_ids: list[int], start: int, i: int, n: int) -> int:
+    while i < n and key[i] == token_ids[start + i]:
+        i += 1
+    return i

@@ -20,7 +20,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from .outputs import TokenLogprob
-from .radix_cache import TreeNode
+from .radix_node import TreeNode
 from .sampling_params import SamplingParams
 
 

@@ -22,53 +22,19 @@ gets device slots and a load, and the request takes no step until the load is do
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from .admission import admission_order, shares_uncached
 from .config import EngineConfig
-from .host_tier import HostCopy
 from .kv_allocator import KVSlotAllocator, TableRowAllocator
 from .radix_cache import RadixCache
 from .request import Req, ReqStatus
+from .schedule_plan import ScheduledItem, SchedulePlan, TableWrite
 
 # an eviction frees at least this share of the pool (1/EVICT_SHARE): the lowest-ranked
 # leaves, which would soon go anyway. Each eviction has a fixed cost (it ranks again the
 # candidates touched since the last one and plans the saves to the host tier as one
 # batch): with a 1/256 share a multi-turn chat evicted every other step
 EVICT_SHARE = 64
-
-
-@dataclass(slots=True)
-class ScheduledItem:
-    req: Req
-    num_new: int  # tokens given KV this step
-    start_pos: int  # position of the first of them (= tokens with KV before this step)
-    new_slots: list[int]
-    samples: bool  # all of the request's tokens have KV after this step: it samples one
-    out_index: int = -1  # where its sampled token goes in output_ids (set at launch)
-
-
-class TableWrite(NamedTuple):
-    """Positions ``start..start + len(slots)`` of table row ``row`` now hold ``slots``."""
-
-    row: int
-    start: int
-    slots: list[int]
-
-
-@dataclass(slots=True)
-class SchedulePlan:
-    """One step's decisions: what the forward side runs, what it writes first."""
-
-    items: list[ScheduledItem]
-    # applied to the request-to-token table, in order, before this step's forward
-    table_writes: list[TableWrite] = field(default_factory=list)
-    # running requests that cannot grow (one alone fills the KV pool): to finish, "length"
-    out_of_room: list[Req] = field(default_factory=list)
-    # copies between the device and host tiers, run in this order before this step's
-    # forward (also when there are no items)
-    host_copies: list[HostCopy] = field(default_factory=list)
 
 
 class Scheduler:

@@ -16,7 +16,8 @@ from .groups import RequestGroups
 from .intake import GrammarProvider
 from .outputs import EngineCounters, StepOutput, TokenLogprob
 from .request import Req
-from .scheduler import ScheduledItem, Scheduler
+from .schedule_plan import ScheduledItem
+from .scheduler import Scheduler
 
 
 class StepProcessor:

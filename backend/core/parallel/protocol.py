@@ -26,7 +26,7 @@ class RankProtocolError(ValueError):
 class RankStep:
     """One step's device work, as every rank runs it."""
 
-    table_writes: list[list]  # [row, start, slots] as scheduler.TableWrite
+    table_writes: list[list]  # [row, start, slots] as schedule_plan.TableWrite
     batch: BatchSpec
     # rows sampled this step (rank 0 broadcasts the tokens when the next step may read
     # them through placeholders, i.e. with overlap scheduling); 0: none
