@@ -69,7 +69,7 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixlm-engine-loop", daemon=True)
         self._router = Router(self._put, self._pending.retire, engine.abort,
-                              before_final=metrics.flush if metrics is not None else None)
+                              before_final=metrics.before_final if metrics is not None else None)
         self._outbox = Outbox(self._router.deliver_delta, sender_threads)
         self._batch: list | None = None  # outbox items of the batch being routed
         self._id_prefix = f"{id(self):x}-{time.monotonic_ns():x}-"
