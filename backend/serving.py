@@ -132,10 +132,10 @@ class EngineLoop:
     def _cancel(self, token: str, sink: ResponseSink) -> None:
         """A cancel request: abort the request that sent ``token`` (an ensemble relays its
         client's cancellation so), then answer with one empty response."""
-        found = self._pending.by_token(token)
-        if found is not None and not found[1].cancelled:
-            found[1].cancelled = True
-            self.engine.abort(found[0])
+        rid, tracked = self._pending.by_token(token) or (None, None)
+        if tracked is not None and not tracked.cancelled:
+            tracked.cancelled = True
+            self.engine.abort(rid)
         safe_call(sink.send, wire_outputs.empty_outputs(), True)
 
     def note_intake(self, started: float, ended: float, requests: int) -> None:

@@ -1,8 +1,9 @@
 """The stub's round trips to tritonserver per request (backend/diagnostics.py IpcCounts, in
 the debug stats) on a burst of streamed requests at the session's real server: one send
 per response the client receives, cancellation polls within their budget per pass
-however many requests are pending, one histogram observation per timing per request and
-none of them on a final response's path (metrics.py), and no error sends."""
+however many requests are pending, one histogram observation per timing per request (the
+publisher thread's, off the final response's path: tests/test_metrics.py), and no error
+sends."""
 from __future__ import annotations
 
 import time
