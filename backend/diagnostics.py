@@ -95,11 +95,32 @@ class StepTimer:
         return {**{f"{k}_s": round(v, 4) for k, v in self.seconds.items()}, "steps": self.steps}
 
 
-class LoopDiagnostics:
-    """The serving loop's: time per phase, request intake, timelines, profile, faults."""
+class IpcCounts:
+    """Round trips from the stub to the server process, by kind: every ``pb_utils`` call
+    that waits for tritonserver (``backend.triton_io`` counts them; reading a request's
+    inputs, parameters or response sender is no round trip, its data is in shared memory
+    already). Plain ints: senders bump them concurrently, and a rare lost increment is
+    no matter for a diagnosis."""
+
+    __slots__ = ("response_sends", "error_sends", "cancel_polls", "metric_increments",
+                 "metric_sets", "metric_observes")
 
     def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def report(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class LoopDiagnostics:
+    """The serving loop's: time per phase, request intake, timelines, profile, faults,
+    the stub's round trips to the server (``ipc``) and the cancellation polls' passes."""
+
+    def __init__(self, ipc: IpcCounts | None = None) -> None:
         self.timer = StepTimer("step", "route", "idle")
+        self.ipc = ipc if ipc is not None else IpcCounts()
+        self.cancel_poll_passes = 0
         self.intake = {"intake_requests": 0, "intake_s": 0.0, "intake_burst_gaps": 0,
                        "intake_burst_gap_s": 0.0}
         self._last_intake_end: float | None = None
@@ -155,7 +176,8 @@ class LoopDiagnostics:
 
     def report(self) -> dict:
         """For debug stats: the loop's times, and each timeline not reported before."""
-        out = {"loop": {**self.timer.report(), **{k: round(v, 4) for k, v in self.intake.items()}}}
+        out = {"loop": {**self.timer.report(), **{k: round(v, 4) for k, v in self.intake.items()},
+                        "cancel_poll_passes": self.cancel_poll_passes, "ipc": self.ipc.report()}}
         if self._traces is not None:
             traces = []
             while self._traces:

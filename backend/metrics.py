@@ -5,13 +5,24 @@
 documented in docs/metrics.md; deploy/ (HPA, dashboards) relies on them.
 
 Cost on the engine loop thread: ``observe_outputs`` appends the outputs' numbers to
-lists and ``sample`` calls ``engine.stats()`` at most every ``sample_interval_s``;
-everything that talks to Triton (each metric update is an IPC round trip to the server)
-runs in ``flush``: on this module's publisher thread every ``publish_interval_s``, and on
-a sender thread right before a request's final response (so a client that reads the
-metrics after its last response finds its request counted). A flush folds counters into
-one increment per series and sends gauges only when they change. The ``vllm:*`` series
-(``backend.vllm_metrics``) are published by the same flushes.
+lists and ``sample`` calls ``engine.stats()`` at most every ``sample_interval_s``.
+Everything that talks to Triton (each metric update is an IPC round trip to the server)
+runs on two paths:
+  * ``before_final``, on a sender thread right before a request's final response: the
+    ``radixlm_*`` counters (folded into one increment per series, however many requests
+    finished since the last), so that a client reading the metrics after its last
+    response finds its request counted; and the ``vllm:*`` series
+    (``backend.vllm_metrics``), which promise the same of their histograms too, as
+    the vLLM backend's tests read them;
+  * ``flush``, on this module's publisher thread every ``publish_interval_s``: the
+    above, then the ``radixlm_*`` histograms (one observation per timing of each
+    finished request: Triton's API takes one value a call) and the gauges that changed.
+The histograms' observations (four per request) are kept off the final response's path:
+they would hold a sender, and every response queued behind it, for four round trips per
+request. A scrape between a final response and the next publish (at most
+``publish_interval_s`` later) finds the request in ``radixlm_requests_total`` and the
+token counters but not yet in the histograms' ``_count``; a scrape interval is seconds,
+and ``rate()`` over it does not tell the difference.
 """
 from __future__ import annotations
 
@@ -88,7 +99,6 @@ class _Finished:
     cached_tokens: int
     generated_tokens: int
     reason: str
-    timings: Mapping[str, float]
 
 
 class EngineMetrics:
@@ -123,8 +133,12 @@ class EngineMetrics:
         self._publish_interval_s = publish_interval_s
         self._last_sample = float("-inf")
         self._lock = threading.Lock()  # what the loop thread hands over
-        self._flush_lock = threading.Lock()  # one publisher at a time, in order
+        # one sender of counters at a time, in order: a final response whose counts a
+        # concurrent flush took waits until that flush has sent them
+        self._count_lock = threading.Lock()
+        self._publish_lock = threading.Lock()  # one publisher of the rest at a time
         self._finished: list[_Finished] = []
+        self._observations: list[tuple[str, float]] = []  # (timing key, seconds)
         self._gauge_values: dict[str, float] | None = None
         self._sent_gauges: dict[str, float] = {}
         self._wake = threading.Event()
@@ -149,16 +163,20 @@ class EngineMetrics:
         if self._vllm is not None:
             with self._lock:
                 self._vllm.record(outputs, time.time() if made_at is None else made_at)
-        finished = [_Finished(prompt_tokens=out.num_prompt_tokens,
-                              cached_tokens=out.num_cached_tokens,
-                              generated_tokens=out.num_output_tokens,
-                              reason="error" if out.error
-                              else (out.finish_reason or "abort"),
-                              timings=dict(out.timings or {}))
-                    for out in outputs if out.finished]
-        if finished:
+        ended = [out for out in outputs if out.finished]
+        if ended:
+            finished = [_Finished(prompt_tokens=out.num_prompt_tokens,
+                                  cached_tokens=out.num_cached_tokens,
+                                  generated_tokens=out.num_output_tokens,
+                                  reason="error" if out.error
+                                  else (out.finish_reason or "abort")) for out in ended]
+            # a failed request's timings would skew the latencies: counted, not observed
+            observations = [(key, value) for out in ended if not out.error
+                            for key, value in (out.timings or {}).items()
+                            if key in self._histograms]
             with self._lock:
                 self._finished.extend(finished)
+                self._observations.extend(observations)
 
     def sample(self, engine, force: bool = False) -> None:
         """Read the gauges from ``engine.stats()``, at most every sample_interval_s."""
@@ -174,48 +192,52 @@ class EngineMetrics:
             self._gauge_values = values
         self._host_tier.observe(stats)
 
-    # -- the publisher thread, and a sender thread before each final response
-    def flush(self) -> None:
-        """Send what has been recorded (the publisher thread does this periodically; a
-        request's final response waits for it, so that its client reads metrics that
-        count it). One flush at a time: a second waits until the first has sent."""
-        with self._flush_lock:
-            self._flush()
+    # -- a sender thread before each final response, and the publisher thread
+    def before_final(self) -> None:
+        """Send the counts of the requests finished so far (a request's final response
+        waits for this, so that its client reads metrics that count it)."""
+        with self._count_lock:
+            with self._lock:
+                finished, self._finished = self._finished, []
+                vllm = self._vllm.take() if self._vllm is not None else None
+            if finished:
+                self._send_counts(finished)
+            if vllm is not None:
+                self._vllm.publish(vllm, send_update)
 
-    def _flush(self) -> None:
-        with self._lock:
-            finished, self._finished = self._finished, []
-            gauges, self._gauge_values = self._gauge_values, None
-            vllm = self._vllm.take() if self._vllm is not None else None
-        if finished:
-            totals = {PROMPT_TOKENS: 0, GENERATION_TOKENS: 0, CACHED_PROMPT_TOKENS: 0}
-            reasons: dict[str, int] = {}
-            for f in finished:
-                totals[PROMPT_TOKENS] += f.prompt_tokens
-                totals[GENERATION_TOKENS] += f.generated_tokens
-                totals[CACHED_PROMPT_TOKENS] += f.cached_tokens
-                reasons[f.reason] = reasons.get(f.reason, 0) + 1
-            for name, total in totals.items():
-                if total:
-                    send_update(self._counters[name].increment, total)
-            for reason, count in reasons.items():
-                send_update(self._request_counter(reason).increment, count)
-            for f in finished:
-                if f.reason == "error":
-                    continue
-                for key, value in f.timings.items():
-                    if key in self._histograms:
-                        send_update(self._histograms[key].observe, value)
-        changed = {name: value for name, value in (gauges or {}).items()
-                   if self._sent_gauges.get(name) != value}
-        for name, value in changed.items():
-            if name in self._gauges and send_update(self._gauges[name].set, value):
-                self._sent_gauges[name] = value
-        if vllm is not None:
-            sent = self._vllm.publish(vllm, changed, send_update)
-            self._sent_gauges.update(sent)
-        if self._host_tier is not None:
-            self._host_tier.flush()
+    def flush(self) -> None:
+        """Send everything recorded: the counts, then the histograms' observations and
+        the gauges that changed (the publisher thread does this periodically)."""
+        self.before_final()
+        with self._publish_lock:
+            with self._lock:
+                observations, self._observations = self._observations, []
+                gauges, self._gauge_values = self._gauge_values, None
+            for key, value in observations:
+                send_update(self._histograms[key].observe, value)
+            changed = {name: value for name, value in (gauges or {}).items()
+                       if self._sent_gauges.get(name) != value}
+            for name, value in changed.items():
+                if name in self._gauges and send_update(self._gauges[name].set, value):
+                    self._sent_gauges[name] = value
+            if self._vllm is not None:
+                self._sent_gauges.update(self._vllm.publish_gauges(changed, send_update))
+            if self._host_tier is not None:
+                self._host_tier.flush()
+
+    def _send_counts(self, finished: list[_Finished]) -> None:
+        totals = {PROMPT_TOKENS: 0, GENERATION_TOKENS: 0, CACHED_PROMPT_TOKENS: 0}
+        reasons: dict[str, int] = {}
+        for f in finished:
+            totals[PROMPT_TOKENS] += f.prompt_tokens
+            totals[GENERATION_TOKENS] += f.generated_tokens
+            totals[CACHED_PROMPT_TOKENS] += f.cached_tokens
+            reasons[f.reason] = reasons.get(f.reason, 0) + 1
+        for name, total in totals.items():
+            if total:
+                send_update(self._counters[name].increment, total)
+        for reason, count in reasons.items():
+            send_update(self._request_counter(reason).increment, count)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Publish what is left and stop the thread. Drops the metric objects (Triton

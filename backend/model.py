@@ -30,6 +30,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from backend import admin_access, wire
+from backend.diagnostics import IpcCounts
 from backend.engine_process import EngineProcess
 from backend.metrics import EngineMetrics
 from backend.model_config import (PROJECT_ROOT, check_tensor_parallel_instance,
@@ -103,7 +104,9 @@ class TritonPythonModel:
         if self.stop_signal is None:
             self.logger.log_warn("radixlm: cannot watch SIGTERM/SIGINT here; server shutdown "
                                  "is noticed by polling the model's readiness only")
-        self.metric_factory = TritonMetricFactory() if hasattr(pb_utils, "MetricFamily") else None
+        self.ipc = IpcCounts()  # round trips to the server, reported with the debug stats
+        self.metric_factory = TritonMetricFactory(self.ipc) \
+            if hasattr(pb_utils, "MetricFamily") else None
         self.metrics = None
         if self.metric_factory is not None:
             self.metrics = EngineMetrics(
@@ -116,7 +119,8 @@ class TritonPythonModel:
                                sender_threads=int(os.environ.get("RADIXLM_SENDER_THREADS", "2")),
                                on_info=self.logger.log_info,
                                server_stopping=self._server_stopping,
-                               metrics=self.metrics, on_death=self._on_engine_death)
+                               metrics=self.metrics, on_death=self._on_engine_death,
+                               ipc_counts=self.ipc)
         # Everything loaded so far lives as long as the stub: keep the cyclic collector
         # from walking it (a full collection of torch + transformers stalls every
         # thread here for 100+ ms).
@@ -203,7 +207,7 @@ class TritonPythonModel:
         """Only parse and hand over: the engine loop thread sends every response."""
         started = time.perf_counter()
         for request in requests:
-            sink = TritonResponseSink(request)
+            sink = TritonResponseSink(request, self.ipc)
             try:
                 parameters = read_parameters(request)
                 presented = admin_access.take_presented(parameters)

@@ -1,6 +1,13 @@
 """The Triton side of a request, over the stub's ``triton_python_backend_utils``: reading
 its inputs and parameters, answering it (``serving.ResponseSink``), and the metric
-families of the model (``backend.metrics.MetricFactory``)."""
+families of the model (``backend.metrics.MetricFactory``).
+
+Which calls are round trips to the server process (python_backend's stub): a response
+send, ``is_cancelled`` and every metric update each wait for tritonserver; a request's
+inputs, parameters, requested outputs, timeout and response sender were put in shared
+memory with the request and cost none. The round trips are counted by kind in an
+``IpcCounts`` (the debug stats report them).
+"""
 from __future__ import annotations
 
 import json
@@ -9,13 +16,15 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import wire
+from backend.diagnostics import IpcCounts
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonResponseSink:
     """``serving.ResponseSink`` over one request's response sender."""
 
-    def __init__(self, request) -> None:
+    def __init__(self, request, ipc: IpcCounts) -> None:
+        self._ipc = ipc
         self._request = request
         self._sender = request.get_response_sender()
         # Only the outputs the client asked for (none named: all of them). Each output
@@ -29,6 +38,7 @@ class TritonResponseSink:
         wanted = self.wanted
         tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()
                    if wanted is None or name in wanted]
+        self._ipc.response_sends += 1
         try:
             self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
                               flags=_FINAL if final else 0)
@@ -39,6 +49,7 @@ class TritonResponseSink:
     def send_error(self, message: str, cancelled: bool = False) -> None:
         code = pb_utils.TritonError.CANCELLED if cancelled else pb_utils.TritonError.INVALID_ARG
         error = pb_utils.TritonError(message, code)
+        self._ipc.error_sends += 1
         try:
             self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
                               flags=_FINAL)
@@ -58,14 +69,18 @@ class TritonResponseSink:
         # One IPC round trip to the server process (~30-70 us): the loop polls it for
         # every pending request, so ask once (the request's flag is the sender's too).
         request = self._request
-        return True if request is None else request.is_cancelled()
+        if request is None:
+            return True
+        self._ipc.cancel_polls += 1
+        return request.is_cancelled()
 
 
 class TritonMetricFactory:
     """``backend.metrics.MetricFactory`` over ``pb_utils.MetricFamily``: one family per
     metric name, kept until ``close`` (Triton wants a family to outlive its metrics)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ipc: IpcCounts) -> None:
+        self._ipc = ipc
         self._families: dict[str, object] = {}
 
     def _family(self, name: str, description: str, kind):
@@ -75,19 +90,44 @@ class TritonMetricFactory:
         return self._families[name]
 
     def counter(self, name, description, labels):
-        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+        family = self._family(name, description, pb_utils.MetricFamily.COUNTER)
+        return _CountedMetric(family.Metric(labels=labels), self._ipc)
 
     def gauge(self, name, description, labels):
-        return self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+        family = self._family(name, description, pb_utils.MetricFamily.GAUGE)
+        return _CountedMetric(family.Metric(labels=labels), self._ipc)
 
     def histogram(self, name, description, labels, buckets):
         kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)  # Triton 2.49+
         if kind is None:
             raise NotImplementedError("this Python backend has no histogram metrics")
-        return self._family(name, description, kind).Metric(labels=labels, buckets=list(buckets))
+        metric = self._family(name, description, kind).Metric(labels=labels, buckets=list(buckets))
+        return _CountedMetric(metric, self._ipc)
 
     def close(self) -> None:
         self._families.clear()
+
+
+class _CountedMetric:
+    """A ``pb_utils`` metric whose updates (one round trip each) are counted."""
+
+    __slots__ = ("_metric", "_ipc")
+
+    def __init__(self, metric, ipc: IpcCounts) -> None:
+        self._metric = metric
+        self._ipc = ipc
+
+    def increment(self, value: float) -> None:
+        self._ipc.metric_increments += 1
+        self._metric.increment(value)
+
+    def set(self, value: float) -> None:
+        self._ipc.metric_sets += 1
+        self._metric.set(value)
+
+    def observe(self, value: float) -> None:
+        self._ipc.metric_observes += 1
+        self._metric.observe(value)
 
 
 def read_inputs(request) -> dict[str, np.ndarray]:

@@ -7,7 +7,7 @@ sample's first output, generated tokens every step), the time per output token i
 observed once per token (the gap between a sample's responses, split over the tokens
 they brought), and a request's ``n`` is observed once per request. ``VllmSeries.record``
 runs on the engine loop thread and only appends; ``publish`` sends (metrics.py calls it
-from its publisher thread, and before every final response).
+before every final response, and from its publisher thread).
 """
 from __future__ import annotations
 
@@ -140,9 +140,8 @@ class VllmSeries:
         return pending
 
     # -- publishing
-    def publish(self, pending: _Pending, gauge_values: Mapping[str, float], send) -> dict:
-        """Send ``pending`` (from ``take``) and the changed gauges through
-        ``send(update, value)``; returns the gauges sent."""
+    def publish(self, pending: _Pending, send) -> None:
+        """Send ``pending`` (from ``take``) through ``send(update, value)``."""
         if pending.prompt_tokens:
             send(self._counters[PROMPT_TOKENS].increment, pending.prompt_tokens)
         if pending.generation_tokens:
@@ -153,6 +152,9 @@ class VllmSeries:
         for name, value in pending.observations:
             if value is not None:
                 send(self._histograms[name].observe, value)
+
+    def publish_gauges(self, gauge_values: Mapping[str, float], send) -> dict:
+        """Send the changed gauges; returns those sent."""
         return {name: value for name, value in gauge_values.items()
                 if name in self._gauges and send(self._gauges[name].set, value)}
 

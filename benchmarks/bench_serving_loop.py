@@ -7,8 +7,10 @@ stand-in engine that, like the engine process, steps on its own clock: every ``-
 each request gets one token, and a step call returns all the steps finished since the
 last one. Each request is a streamed output_ids-only job with a sink that only counts
 (a Triton send costs far more: this is the serving layer's floor). Prints, per (batch, step time): the
-wall time against the stand-in's own (steps x step time), the routing time per step and
-the responses sent (fewer than tokens when queued tokens were merged). A ratio under 1
+wall time against the stand-in's own (steps x step time), the routing time per step,
+the responses sent (fewer than tokens when queued tokens were merged) and the
+cancellation polls per request (``--poll-ms``: each waits that long without the GIL, as
+``is_cancelled``'s round trip to the server does). A ratio under 1
 is what the serving layer alone costs the Triton rows: on the H200, 1B rows at batch 128
 step in ~2.3 ms. The GIL switch interval is the stub's (``RADIXLM_SWITCH_INTERVAL_S``).
 """
@@ -104,8 +106,9 @@ class CountingSink:
     when the first one returned."""
     wanted = frozenset({wire.OUTPUT_IDS})
 
-    def __init__(self, send_s: float = 0.0, cpu_s: float = 0.0) -> None:
-        self.send_s, self.cpu_s = send_s, cpu_s
+    def __init__(self, send_s: float = 0.0, cpu_s: float = 0.0, poll_s: float = 0.0) -> None:
+        self.send_s, self.cpu_s, self.poll_s = send_s, cpu_s, poll_s
+        self.polls = 0
         self.responses = 0
         self.tokens = 0
         self.first_sent: float | None = None
@@ -129,11 +132,14 @@ class CountingSink:
         self.done.set()
 
     def is_cancelled(self):
+        self.polls += 1
+        if self.poll_s:
+            time.sleep(self.poll_s)
         return False
 
 
 def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.0,
-        cpu_s: float = 0.0) -> dict:
+        cpu_s: float = 0.0, poll_s: float = 0.0) -> dict:
     engine = StandInEngine(step_s, tokens)
     loop = EngineLoop(engine, idle_wait_s=0.005, cancel_poll_s=0.1, sender_threads=senders)
     loop.start()
@@ -142,7 +148,7 @@ def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.
                               wire.SAMPLING_PARAMETERS: np.array(
                                   [f'{{"max_tokens": {tokens}}}'.encode()], dtype=object)}, {},
                              requested=CountingSink.wanted)
-    sinks = [CountingSink(send_s, cpu_s) for _ in range(batch)]
+    sinks = [CountingSink(send_s, cpu_s, poll_s) for _ in range(batch)]
     t0 = time.perf_counter()
     for sink in sinks:
         loop.submit(job, sink)
@@ -158,7 +164,8 @@ def run(batch: int, step_s: float, tokens: int, senders: int, send_s: float = 0.
     return {"batch": batch, "step_ms": step_s * 1e3, "wall_ms": wall * 1e3,
             "first_sent_ms_p50": first[len(first) // 2] * 1e3,
             "stand_in_ms": tokens * step_s * 1e3, "route_ms_per_call": timings["route_s"] / steps * 1e3,
-            "responses": sum(s.responses for s in sinks), "tokens": batch * tokens}
+            "responses": sum(s.responses for s in sinks), "tokens": batch * tokens,
+            "cancel_polls": sum(s.polls for s in sinks)}
 
 
 def main() -> int:
@@ -171,18 +178,21 @@ def main() -> int:
                     help="each send waits this long without the GIL (a Triton send: ~0.5 ms)")
     ap.add_argument("--send-cpu-us", type=float, default=0.0,
                     help="each send first holds the GIL this long (building the response)")
+    ap.add_argument("--poll-ms", type=float, default=0.0,
+                    help="each cancellation poll waits this long without the GIL (~0.05 ms)")
     args = ap.parse_args()
     sys.setswitchinterval(float(os.environ.get("RADIXLM_SWITCH_INTERVAL_S", "0.0005")))
     print(f"{'batch':>5} {'step ms':>7} {'wall ms':>8} {'stand-in ms':>11} {'ratio':>6} "
-          f"{'route ms/call':>13} {'first sent ms':>13} {'responses':>9} {'tokens':>7}")
+          f"{'route ms/call':>13} {'first sent ms':>13} {'responses':>9} {'tokens':>7} "
+          f"{'polls/req':>9}")
     for b in args.batch:
         for ms in args.step_ms:
             r = run(b, ms / 1e3, args.tokens, args.senders, args.send_ms / 1e3,
-                    args.send_cpu_us / 1e6)
+                    args.send_cpu_us / 1e6, args.poll_ms / 1e3)
             ratio = r["stand_in_ms"] / r["wall_ms"] if r["stand_in_ms"] else float("nan")
             print(f"{b:>5} {ms:>7.2f} {r['wall_ms']:>8.1f} {r['stand_in_ms']:>11.1f} {ratio:>6.2f} "
                   f"{r['route_ms_per_call']:>13.3f} {r['first_sent_ms_p50']:>13.1f} "
-                  f"{r['responses']:>9} {r['tokens']:>7}")
+                  f"{r['responses']:>9} {r['tokens']:>7} {r['cancel_polls'] / b:>9.2f}")
     return 0
 
 

@@ -102,7 +102,7 @@ class RecordingMetrics:
         engine.stats()
         self.samples += 1
 
-    def flush(self):
+    def before_final(self):
         pass
 
 
@@ -134,7 +134,7 @@ def test_a_failing_metrics_recorder_does_not_disturb_serving():
         def sample(self, engine):
             raise RuntimeError("IPC failed")
 
-        def flush(self):
+        def before_final(self):
             raise RuntimeError("IPC failed")
 
     loop = started(metrics=Broken())

@@ -152,6 +152,30 @@ def test_timings_become_histogram_observations_of_successful_requests():
     assert factory.observed(m.TIME_PER_OUTPUT_TOKEN) == [0.05]
 
 
+def test_a_final_response_waits_for_the_counts_only_not_the_histograms_or_gauges():
+    """Before a final response (on a sender thread): the counts that make its request
+    show up; the four observations per request and the gauges are the publisher's."""
+    factory = FakeFactory()
+    metrics = metrics_with(factory)
+    metrics.sample(FakeEngine(num_running=3))
+    metrics.observe_outputs([output(prompt=7, generated=3, reason="length",
+                                    timings={"queue_time": 0.01, "e2e_latency": 1.5}),
+                             output(prompt=5, generated=2, reason="stop",
+                                    timings={"time_to_first_token": 0.2})])
+    metrics.before_final()
+    assert factory.value(m.PROMPT_TOKENS) == 12 and factory.value(m.GENERATION_TOKENS) == 5
+    assert factory.value(m.REQUESTS, finish_reason="length") == 1
+    assert factory.value(m.REQUESTS, finish_reason="stop") == 1
+    assert factory.calls == 2 + 2  # two token counters, two finish reasons
+    assert factory.observed(m.E2E_LATENCY) == [] and factory.value(m.NUM_RUNNING) == 0
+    metrics.before_final()  # nothing new: no round trip
+    assert factory.calls == 4
+    metrics.flush()  # the publisher: the rest, the counts not again
+    assert factory.observed(m.QUEUE_TIME) == [0.01] and factory.observed(m.E2E_LATENCY) == [1.5]
+    assert factory.observed(m.TIME_TO_FIRST_TOKEN) == [0.2]
+    assert factory.value(m.NUM_RUNNING) == 3 and factory.value(m.PROMPT_TOKENS) == 12
+
+
 def test_without_native_histograms_they_are_cumulative_bucket_counters():
     factory = FakeFactory(histograms=False)
     metrics = metrics_with(factory)

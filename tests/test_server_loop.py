@@ -225,8 +225,12 @@ def test_stats_job_reports_engine_stats_and_integrity(loop):
                      "integrity_error": None, "num_pending_requests": 0}
     assert set(loop_timings) == {"step_s", "route_s", "idle_s", "steps", "queued_responses",
                                  "intake_requests", "intake_s", "intake_burst_gaps",
-                                 "intake_burst_gap_s"}
+                                 "intake_burst_gap_s", "cancel_poll_passes", "ipc"}
     assert loop_timings["steps"] == 0 and loop_timings["idle_s"] > 0
+    # the Triton adapter counts its round trips there; this sink is no Triton sink
+    assert loop_timings["ipc"] == {"response_sends": 0, "error_sends": 0, "cancel_polls": 0,
+                                   "metric_increments": 0, "metric_sets": 0,
+                                   "metric_observes": 0}
 
 
 def test_intake_timings_count_requests_and_gaps_within_bursts_only(loop):

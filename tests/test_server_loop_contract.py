@@ -89,7 +89,7 @@ class OrderedMetrics:
     def sample(self, engine, force=False):
         pass
 
-    def flush(self):
+    def before_final(self):
         with self.lock:
             self.flushes += 1
             self.published = self.observed
