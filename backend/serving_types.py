@@ -6,7 +6,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -83,9 +83,14 @@ class Tracked:
             safe_call(send)
 
 
+class NewRequest(NamedTuple):
+    """A request on its way in: what the loop keeps of it and what the engine gets."""
+    tracked: Tracked
+    request: GenerateRequest | ScoreRequest
+
+
 def track(job: wire.GenerateJob | wire.ScoreJob, sink: ResponseSink, rid: str,
-          prompt_text: Callable[[list[int]], str], timeout_s: float | None
-          ) -> tuple[Tracked, GenerateRequest | ScoreRequest]:
+          prompt_text: Callable[[list[int]], str], timeout_s: float | None) -> NewRequest:
     """What the loop keeps of a new request, and what the engine gets. ``prompt_text``:
     the engine's detokenizer, for a prompt of ids that leads its output. ``timeout_s``:
     the request is cancelled (its final response an error) after that long."""
@@ -98,7 +103,7 @@ def track(job: wire.GenerateJob | wire.ScoreJob, sink: ResponseSink, rid: str,
         tracked.deadline = now + timeout_s
         tracked.cancel_message = f"request timed out (its limit: {timeout_s:g} s)"
     if isinstance(job, wire.ScoreJob):
-        return tracked, ScoreRequest(rid, job.prompt, job.choices)
+        return NewRequest(tracked, ScoreRequest(rid, job.prompt, job.choices))
     if job.prepend_input and not isinstance(job.prompt, str):
         try:
             tracked.prompt_text = prompt_text(job.prompt)
@@ -106,7 +111,8 @@ def track(job: wire.GenerateJob | wire.ScoreJob, sink: ResponseSink, rid: str,
             pass  # ids outside the vocabulary: the engine refuses them by name
     if wire.CANCEL_TOKEN in job.outputs:
         tracked.cancel_token = secrets.token_hex(16)
-    return tracked, GenerateRequest(rid, job.prompt, job.params, _text_per_step(job, sink))
+    return NewRequest(tracked, GenerateRequest(rid, job.prompt, job.params,
+                                               _text_per_step(job, sink)))
 
 
 def _text_per_step(job: wire.GenerateJob, sink: ResponseSink) -> bool:

@@ -24,7 +24,6 @@ def test_the_default_tiles_are_whole_rows_of_k_up_to_4096_one_slice_nothing_ahea
     assert choose_tiles(576, 576, 1) == GemvTiles(16, 1024, 8)
     assert choose_tiles(100, 300, 2) == GemvTiles(16, 512, 8)
     assert choose_tiles(100, 200, 2) == GemvTiles(16, 256, 4)
-    assert choose_tiles(4096, 14336, 1, sms=264) == choose_tiles(4096, 14336, 1)
 
 
 def test_the_split_k_alternative_fills_one_round_of_resident_programs():

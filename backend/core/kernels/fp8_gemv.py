@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemv_tiles import H200_SMS, GemvTiles, choose_tiles, k_slice
+from .fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
 from .gemv import _input_chunk, _normalise
 
 MAX_ROWS = 8  # Fp8Linear sends up to its WEIGHT_ONLY_ROWS here, W8A8 above
@@ -200,12 +200,6 @@ def _store_out(acc, Scale, Bias, Out, rows, rn, nmask, N, ROWS: tl.constexpr,
              mask=(rows[:, None] < ROWS) & nmask[None, :])
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_SMS  # the interpreter runs the H200's tiles
-
-
 def tile_counters(n: int, device: torch.device | str) -> torch.Tensor:
     """Zeroed int32 counts for the split-K launches of an N-output weight (one per
     output, enough for any BLOCK_N). Every launch leaves them zero again, so a layer
@@ -222,7 +216,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
     assert x.stride(-1) == 1, "K must be contiguous"
     assert bias is None or bias.dtype == x.dtype
-    tiles = GemvTiles(*config) if config else choose_tiles(n, k, rows, _sm_count(x.device))
+    tiles = GemvTiles(*config) if config else choose_tiles(n, k, rows)
     block_n = tiles.block_n
     if block:
         assert scale.shape == (triton.cdiv(n, block), triton.cdiv(k, block)), scale.shape

@@ -67,7 +67,7 @@ class GemvTiles(NamedTuple):
     stages: int = 1
 
 
-def choose_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
+def choose_tiles(n: int, k: int, rows: int) -> GemvTiles:
     """The default tiles for an [N, K] float8 weight and ``rows`` input rows: whole
     rows of K a program where K <= 4096 (``elements`` float8 weights a program: 32768 at
     one row, 16384 from two), else 2048-column chunks; one K slice, no chunk ahead.
@@ -75,8 +75,7 @@ def choose_tiles(n: int, k: int, rows: int, sms: int = H200_SMS) -> GemvTiles:
     Measured, not derived: on an H100 (and on the H200 before split K) these tiles beat
     the split-K rule (``split_k_tiles``) at one row by 1.0-2.3x a projection of the 8B
     shape and at two rows by 1.0-1.9x (``tools/gpu/check_fp8.py --parts gemv``, same
-    call). ``sms`` stays in the signature for the sweep's split-K alternatives."""
-    del sms  # the whole-row tiles do not depend on the SM count
+    call). They do not depend on the SM count (``split_k_tiles`` does)."""
     elements = 32768 if rows == 1 else 16384
     if k <= 4096:
         block_k = triton.next_power_of_2(k)
