@@ -125,3 +125,25 @@ def test_the_readme_performance_table_quotes_the_benchmark_page():
     for w in workloads:
         p1, p8 = one_b[w], eight_b[w]
         assert readme[w] == [p1[3], p1[4], p1[5], p1[2], p8[3], p8[4], p8[2]], w
+
+
+def test_tables_show_only_the_anchor_gpu_runs_while_ratios_pair_lines_of_any_one_run(bench):
+    _, report = bench
+
+    def startup(run, gpu):
+        return {"_run": run, "mode": "startup", "metrics": {"gpu": gpu}}
+
+    h200 = dict(line("2026-12-02T05:26:08", "engine", "default", "b1_in32_out128", 1000.0),
+                _run="a")
+    h100 = dict(line("2026-12-05T13:08:00", "engine", "default", "b1_in32_out128", 800.0),
+                _run="b")
+    unknown = dict(line("2026-12-01T00:00:00", "engine", "default", "b32_in32_out128", 9.0),
+                   _run="c")
+    lines = [startup("a", "NVIDIA H200"), h200, startup("b", "NVIDIA H100 80GB HBM3"), h100,
+             unknown]
+    assert report.run_gpus(lines) == {"a": "NVIDIA H200", "b": "NVIDIA H100 80GB HBM3"}
+    shown = report.on_device(lines, "H200")
+    assert h200 in shown and unknown in shown and h100 not in shown
+    assert report.on_device(lines, "H100") == [lines[2], h100, unknown]
+    head = report.header("H200", lines, [])
+    assert "runs on NVIDIA H100 80GB HBM3 (b)" in head

@@ -43,7 +43,7 @@ SWEEP = ((8, 4096, 8, 1, 1), (16, 1024, 4, 0, 3), (16, 1024, 4, 1, 3), (16, 1024
 
 def _sweep_tiles(n: int, k: int, rows: int):
     """``SWEEP`` with the rule's split for split 0, then the rule's own choice."""
-    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, filling_split
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles, choose_tiles, filling_split, split_k_tiles
 
     out = [choose_tiles(n, k, rows), split_k_tiles(n, k, rows)]
     for block_n, block_k, warps, split, stages in SWEEP:
