@@ -51,9 +51,14 @@ QUICK_LOAD_LENGTHS = (16, 64, 256)
 
 
 def chat_spec(args):
-    if args.quick:
-        return SPECS["quick"]
-    return SPECS.get(args.name or C.model_label(args.model), SPECS["llama-1b"])
+    spec = SPECS["quick"] if args.quick else SPECS.get(args.name or C.model_label(args.model),
+                                                       SPECS["llama-1b"])
+    return dataclasses.replace(spec, in_flight=args.in_flight) if args.in_flight else spec
+
+
+def chats_workload(args) -> str:
+    """The multiturn item's name: the working set, and the turns in flight if not the spec's."""
+    return f"chats_x{WORKING_SET_X:g}" + (f"_inflight{args.in_flight}" if args.in_flight else "")
 
 
 def engine_config(args, name: str, pool: int, running: int, **settings):
@@ -73,6 +78,7 @@ def run_chats(eng, spec, seed: int) -> dict:
     trace = ChatTrace(spec, seed, (C.VOCAB_LO, C.VOCAB_HI))
     flying: dict[str, dict] = {}
     ttft, prompt_tokens, output_tokens, requests = [], 0, 0, 0
+    running, waiting = [], []  # queue lengths after each step: where a run's time goes
     before = eng.stats()
     t0 = time.perf_counter()
     while not trace.finished:
@@ -83,7 +89,10 @@ def run_chats(eng, spec, seed: int) -> dict:
             flying[rid] = {"turn": turn, "out": [], "t": time.perf_counter()}
             prompt_tokens += len(turn.prompt)
             requests += 1
-        for o in eng.step():
+        outs = eng.step()
+        running.append(len(eng.scheduler.running))
+        waiting.append(len(eng.scheduler.waiting))
+        for o in outs:
             r = flying.get(o.request_id)
             if r is None:
                 continue
@@ -99,7 +108,8 @@ def run_chats(eng, spec, seed: int) -> dict:
     d = {k: after[k] - before[k] for k in ("prompt_tokens", "cache_hit_tokens",
                                            "cache_hit_tokens_host", "kv_bytes_to_host",
                                            "kv_bytes_to_device", "host_loads",
-                                           "host_load_seconds", "schedule_seconds", "steps")}
+                                           "host_load_seconds", "schedule_seconds", "steps",
+                                           "num_retractions")}
     eng.check_integrity()
     return {"wall_s": round(wall, 3), "requests": requests,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
@@ -112,6 +122,11 @@ def run_chats(eng, spec, seed: int) -> dict:
             "kv_GB_to_device": round(d["kv_bytes_to_device"] / 1e9, 3),
             "host_loads": d["host_loads"], "host_load_s": round(d["host_load_seconds"], 3),
             "schedule_ms_per_step": round(d["schedule_seconds"] / max(d["steps"], 1) * 1000, 3),
+            "steps": d["steps"], "ms_per_step": round(wall / max(d["steps"], 1) * 1000, 3),
+            "retractions": d["num_retractions"],
+            "recomputed_tokens": d["prompt_tokens"] - d["cache_hit_tokens"],
+            "mean_running": round(sum(running) / max(len(running), 1), 2),
+            "mean_waiting": round(sum(waiting) / max(len(waiting), 1), 2),
             "kv_pool_tokens": after["kv_tokens_total"],
             "host_tokens": after["host_cache_tokens_total"]}
 
@@ -129,7 +144,7 @@ def mode_multiturn(args, name: str, rec) -> None:
     m = run_chats(eng, spec, seed=2)
     m.update(working_set_tokens=spec.mean_working_set(), working_set_x=WORKING_SET_X,
              host_ratio=HOST_RATIO, spec=dataclasses.asdict(spec))
-    rec.write("multiturn", f"chats_x{WORKING_SET_X:g}", m)
+    rec.write("multiturn", chats_workload(args), m)
 
 
 def mode_load(args, name: str, rec) -> None:
@@ -232,18 +247,23 @@ def child(args) -> int:
     return 0
 
 
-def summary(out: str, label: str) -> None:
+def summary(out: str, label: str, workload: str) -> None:
     """The latest multiturn line per configuration, and tiers / lru-gpu."""
     latest = {}
     for line in Path(out).read_text().splitlines():
         r = json.loads(line)
+        if r.get("mode") == "multiturn" and r.get("workload") != workload:
+            continue
         if r.get("model") == label and r.get("mode") in ("multiturn", "load") and r["status"] == "ok":
             latest[(r["config"], r["mode"])] = r["metrics"]
     for (config, mode), m in sorted(latest.items()):
         if mode == "multiturn":
             log(f"{config:18s} {m['total_tok_per_s']:10.1f} tok/s  ttft p50 "
                 f"{m['ttft_ms']['p50']:.1f} ms p90 {m['ttft_ms']['p90']:.1f} ms  hit "
-                f"{m['cache_hit_rate']:.3f} (host {m['host_hit_rate']:.3f})")
+                f"{m['cache_hit_rate']:.3f} (host {m['host_hit_rate']:.3f}); {m['steps']} steps "
+                f"of {m['ms_per_step']:.2f} ms, running {m['mean_running']:.1f} waiting "
+                f"{m['mean_waiting']:.1f}, {m['retractions']} retractions, "
+                f"{m['recomputed_tokens']} prompt tokens computed")
         else:
             log(f"{config:18s} load vs recompute: {m['rows']} crossover {m['crossover_tokens']}")
     a, b = latest.get(("cache-tiers", "multiturn")), latest.get(("cache-lru-gpu", "multiturn"))
@@ -258,6 +278,8 @@ def main(argv=None) -> int:
     C.add_common_args(ap)
     ap.add_argument("--modes", default="multiturn,load")
     ap.add_argument("--configs", default="tiers,lru-gpu")
+    ap.add_argument("--in-flight", type=int, default=0,
+                    help="turns in flight instead of the shape's spec (its own item name)")
     ap.add_argument("--child", choices=sorted(CONFIGS), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -270,13 +292,14 @@ def main(argv=None) -> int:
                    "--out", args.out, "--device", args.device, "--modes", args.modes,
                    "--budget-s", str(share)] + (["--quick"] if args.quick else []) + \
                   (["--name", args.name] if args.name else []) + \
+                  (["--in-flight", str(args.in_flight)] if args.in_flight else []) + \
                   (["--done", *args.done] if args.done else [])
         log(f"bench_cache_tiers: {name} ({share:.0f}s)")
         try:
             subprocess.run(command, timeout=share + 30, check=False)
         except subprocess.TimeoutExpired:
             log(f"bench_cache_tiers: {name} ran past its share of the budget")
-    summary(args.out, args.name or C.model_label(args.model))
+    summary(args.out, args.name or C.model_label(args.model), chats_workload(args))
     return 0
 
 
