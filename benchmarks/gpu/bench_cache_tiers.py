@@ -11,7 +11,10 @@ Modes:
              every turn resending the whole history. The GPU KV pool is a quarter of the
              histories' mean total, the host tier 8 pools. Per configuration: throughput
              (prompt + output tokens / s, output tokens / s), time to first token, hit
-             rate per tier, KV bytes moved each way, load time.
+             rate per tier, KV bytes moved each way, load time; and where the time
+             goes: steps and ms a step, mean running and waiting requests, retractions,
+             prompt tokens computed. ``--in-flight N`` overrides the spec's turns in
+             flight (an item of its own: ``chats_x4_inflightN``).
   load       one prompt of L tokens: time to first token when its KV is recomputed against
              when it is loaded back from the host tier (and the copy's own device time),
              for L from 128 to 32k tokens (every length loaded: host_load_min_tokens 0);
