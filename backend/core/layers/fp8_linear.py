@@ -13,8 +13,9 @@ accumulation applies both scales to its output,
 
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]  (+ bias[n])
 
-On the H200 this is ``torch._scaled_mm`` with row-wise scales (cuBLASLt/CUTLASS float8
-tensor-core GEMM). Why W8A8 for batches: batched decode and prefill
+On the GPU this is ``torch._scaled_mm`` with row-wise scales (cuBLASLt/CUTLASS float8
+tensor-core GEMM), and up to ``SMALL_GEMM_ROWS`` rows (batched decode) the Triton GEMM of
+``kernels/fp8_small_gemm.py``, whose tiles fit a few rows. Why W8A8 for batches: batched decode and prefill
 are bound by the matrix products, and the float8 tensor cores run twice the bf16 rate;
 a weight-only kernel halves the weight bytes too but computes in bf16.
 ``tools/gpu/check_fp8.py`` measures both products by batch size.
@@ -52,6 +53,12 @@ _MM_ALIGN = 16
 # against 140, H100: 175 against 149; the gate/up projection 90 against 50), so only
 # single rows take them.
 WEIGHT_ONLY_ROWS = 1
+# Rows up to which W8A8 runs as the swapped-operand Triton GEMM (kernels/fp8_small_gemm.py)
+# instead of _scaled_mm: with per-token quantization included, in CUDA graphs on an H100
+# at 32 rows it takes the 8B projections in 9.7/9.3/47.5/30.5 us (qkv/o/gate_up/down)
+# against _scaled_mm's 19.8/15.0/54.7/43.3, and wins on all four from 2 to 64 rows; at
+# 128 rows _scaled_mm is ahead on gate/up (52.7 against 58.1 us).
+SMALL_GEMM_ROWS = 64
 
 
 class Fp8Linear(nn.Module):
@@ -88,7 +95,11 @@ class Fp8Linear(nn.Module):
             y = fp8_linear_rows(rows, self.weight, self.weight_scale, self.bias,
                                 counters=self.tile_counters)
             return y.view(*x.shape[:-1], self.out_features)
-        if x.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
+        if x.is_cuda and rows.shape[0] <= SMALL_GEMM_ROWS and rows.stride(-1) == 1:
+            from ..kernels.fp8_small_gemm import small_gemm
+
+            y = small_gemm(*quantize_tokens(rows), self.weight, self.weight_scale, None, x.dtype)
+        elif x.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
             y = scaled_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
         else:
             y = emulated_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
