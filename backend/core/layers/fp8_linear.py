@@ -56,8 +56,9 @@ WEIGHT_ONLY_ROWS = 1
 # Rows up to which W8A8 runs as the swapped-operand Triton GEMM (kernels/fp8_small_gemm.py)
 # instead of _scaled_mm: with per-token quantization included, in CUDA graphs on an H100
 # at 32 rows it takes the 8B projections in 9.7/9.3/47.5/30.5 us (qkv/o/gate_up/down)
-# against _scaled_mm's 19.8/15.0/54.7/43.3, and wins on all four from 2 to 64 rows; at
-# 128 rows _scaled_mm is ahead on gate/up (52.7 against 58.1 us).
+# against _scaled_mm's 19.8/15.0/54.7/43.3; from 2 to 64 rows it is ahead on each
+# projection but gate/up at 64 (level: 51.9 against 51.2 us); at 128 rows _scaled_mm
+# is ahead on gate/up (52.7 against 93.9 us with these tiles).
 SMALL_GEMM_ROWS = 64
 
 
