@@ -74,6 +74,16 @@ def test_default_tiles_take_every_row_of_a_decode_batch_up_to_64():
         [16, 16, 16, 32, 32, 64, 64, 64]
 
 
+def test_few_rows_take_it_and_narrow_projections_take_it_twice_as_far():
+    from backend.core.layers.fp8_linear import SMALL_GEMM_ROWS, Fp8Linear
+    wide = Fp8Linear.from_linear(torch.nn.Linear(32, 96, bias=False))  # like qkv, gate/up
+    narrow = Fp8Linear.from_linear(torch.nn.Linear(96, 32, bias=False))  # like o, down
+    assert [wide.takes_small_gemm(r) for r in (2, SMALL_GEMM_ROWS, SMALL_GEMM_ROWS + 1)] == \
+        [True, True, False]
+    assert [narrow.takes_small_gemm(r) for r in (2, 2 * SMALL_GEMM_ROWS, 2 * SMALL_GEMM_ROWS + 1)] == \
+        [True, True, False]
+
+
 def test_float8_activations_need_their_scales():
     from backend.core.kernels.fp8_small_gemm import small_gemm
     _, wq, ws, _, _ = _operands(2, 32, 32, 1)
