@@ -11,12 +11,11 @@ its epilogue:
 
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]  (+ bias[n])
 
-Two operand forms (``ACT_FP8``): W8A8 takes the per-token float8 activations of
-``fp8_quant.per_token_quant`` (the float8 MMA); weight-only takes the activations as they
-are (bf16/fp16) and widens each float8 weight tile to that dtype in registers (no
-quantization launch; the product of ``F.linear(x, dequantized weight)``, up to the order
-of the float32 sums). ``tools/gpu/fp8_small_gemm_checks.py`` checks both against torch
-on the GPU and times them against ``_scaled_mm`` by rows and tiles.
+The activations come as ``fp8_quant.per_token_quant`` makes them (float8 rows, one
+scale a row). A weight-only form (bf16 activations, each float8 weight tile widened in
+registers) was timed slower than this on every 8B projection from 2 to 128 rows, so it
+is not kept. ``tools/gpu/fp8_small_gemm_checks.py`` checks the kernel against torch on
+the GPU and times it against ``_scaled_mm`` by rows and tiles.
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ class SmallGemmTiles(NamedTuple):
 
 @triton.jit
 def _small_gemm_kernel(X, XScale, W, WScale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
-                       ACT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -60,17 +59,13 @@ def _small_gemm_kernel(X, XScale, W, WScale, Bias, Y, M, N, K, stride_x, stride_
             kmask = rk + k0 < K
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
-        if ACT_FP8:
-            # Hopper's float8 MMA adds into a narrower accumulator: a float32 add each
-            # chunk keeps the down projection's 14336-term sums within bf16 rounding
-            acc += tl.dot(w, x)
-        else:
-            acc = tl.dot(w.to(x.dtype), x, acc)
+        # Hopper's float8 MMA adds into a narrower accumulator: a float32 add each chunk
+        # keeps the down projection's 14336-term sums within bf16 rounding
+        acc += tl.dot(w, x)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     acc = acc * tl.load(WScale + rn, mask=nmask, other=0.0)[:, None]
-    if ACT_FP8:
-        acc = acc * tl.load(XScale + rm, mask=mmask, other=0.0)[None, :]
+    acc = acc * tl.load(XScale + rm, mask=mmask, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(Bias + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
     y_ptrs = Y + rm.to(tl.int64)[None, :] * stride_y + rn[:, None]
@@ -84,16 +79,15 @@ def choose_tiles(rows: int) -> SmallGemmTiles:
     return SmallGemmTiles(block_m=block_m)
 
 
-def small_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
+def small_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                tiles: SmallGemmTiles | None = None) -> torch.Tensor:
-    """``y [M, N]`` in ``out_dtype`` from x [M, K] (float8 with ``x_scale`` [M, 1], or
-    bf16/fp16/fp32 with ``x_scale`` None: weight-only), weight [N, K] float8 and
-    ``w_scale`` [N] or [1, N] float32. Both operands need unit stride on K."""
+    """``y [M, N]`` in ``out_dtype`` from float8 x [M, K] with ``x_scale`` [M, 1], float8
+    weight [N, K] with ``w_scale`` [N] or [1, N] (float32), and ``bias`` [N] (any float
+    dtype, added in float32 before the one rounding). Both operands need unit stride on K."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1
-    act_fp8 = x_scale is not None
-    assert act_fp8 == (x.dtype == weight.dtype), "float8 activations come with their scales"
+    assert x.dtype == weight.dtype and x_scale.numel() == x.shape[0], "float8 rows, a scale each"
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
@@ -102,10 +96,10 @@ def small_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tens
     t = tiles or choose_tiles(rows)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(rows, t.block_m))
     _small_gemm_kernel[grid](
-        x, x_scale if act_fp8 else w_scale, weight, w_scale.reshape(-1),
+        x, x_scale, weight, w_scale.reshape(-1),
         bias if bias is not None else w_scale, y, rows, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
-        ACT_FP8=act_fp8, HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0,
+        HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0,
         BLOCK_N=t.block_n, BLOCK_M=t.block_m, BLOCK_K=t.block_k,
         num_warps=t.warps, num_stages=t.stages)
     return y

@@ -14,9 +14,9 @@ accumulation applies both scales to its output,
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]  (+ bias[n])
 
 On the GPU this is ``torch._scaled_mm`` with row-wise scales (cuBLASLt/CUTLASS float8
-tensor-core GEMM), and up to ``SMALL_GEMM_ROWS`` rows (batched decode) the Triton GEMM of
-``kernels/fp8_small_gemm.py``, whose tiles fit a few rows. Why W8A8 for batches: batched decode and prefill
-are bound by the matrix products, and the float8 tensor cores run twice the bf16 rate;
+tensor-core GEMM), and for a decode batch's few rows (``takes_small_gemm``) the Triton
+GEMM of ``kernels/fp8_small_gemm.py``, whose tiles fit them. Why W8A8 for batches:
+batched decode and prefill are bound by the matrix products, and the float8 tensor cores run twice the bf16 rate;
 a weight-only kernel halves the weight bytes too but computes in bf16.
 ``tools/gpu/check_fp8.py`` measures both products by batch size.
 
@@ -99,8 +99,11 @@ class Fp8Linear(nn.Module):
         if x.is_cuda and rows.stride(-1) == 1 and self.takes_small_gemm(rows.shape[0]):
             from ..kernels.fp8_small_gemm import small_gemm
 
-            y = small_gemm(*quantize_tokens(rows), self.weight, self.weight_scale, None, x.dtype)
-        elif x.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
+            # the bias goes into the kernel's epilogue: no separate add launch
+            y = small_gemm(*quantize_tokens(rows), self.weight, self.weight_scale, self.bias,
+                           x.dtype)
+            return y.view(*x.shape[:-1], self.out_features)
+        if x.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
             y = scaled_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
         else:
             y = emulated_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
