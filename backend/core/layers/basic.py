@@ -80,8 +80,7 @@ class RMSNorm(nn.Module):
         x + residual)``, i.e. ``forward`` followed by the projection."""
         if self.fuse_rows and rows_fusable(x, self.weight, proj.weight, proj.bias):
             return self.linear_weight(proj.weight, proj.bias, x, residual)
-        if (self.fuse_rows and isinstance(proj, FP8_LINEARS) and proj.rows_fusable(x)
-                and self.weight.dtype == x.dtype):
+        if self.fuse_rows and isinstance(proj, FP8_LINEARS) and proj.fuses_norm(x, self.weight):
             return proj.rmsnorm_linear(x, residual, self.weight, self.eps)
         normed, residual = (self(x), x) if residual is None else self(x, residual)
         return project(proj, normed, False), residual
@@ -134,7 +133,7 @@ class GatedMLP(nn.Module):
 
             return silu_mul_linear_rows(gate_up, self.down_proj.weight)
         if (self.fuse_rows and isinstance(self.down_proj, FP8_LINEARS)
-                and self.down_proj.rows_fusable(gate_up)):
+                and self.down_proj.fuses_silu_mul(gate_up)):
             return self.down_proj.silu_mul_linear(gate_up)
         if gate_up.is_cuda:
             from ..kernels.fused import silu_and_mul

@@ -111,6 +111,15 @@ class Fp8BlockLinear(nn.Module):
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
                 and (self.bias is None or self.bias.dtype == x.dtype))
 
+    def fuses_norm(self, x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+        """Whether ``rmsnorm_linear`` takes ``x`` (``Fp8Linear.fuses_norm``): the
+        ``rows_fusable`` rows only (group quantization is not fused into the norm)."""
+        return self.rows_fusable(x) and norm_weight.dtype == x.dtype
+
+    def fuses_silu_mul(self, gate_up: torch.Tensor) -> bool:
+        """Whether ``silu_mul_linear`` takes ``gate_up``: the ``rows_fusable`` rows."""
+        return self.rows_fusable(gate_up)
+
     def rmsnorm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm_weight: torch.Tensor, eps: float):
         """``Fp8Linear.rmsnorm_linear``: RMSNorm then this layer for ``rows_fusable``

@@ -15,7 +15,10 @@ accumulation applies both scales to its output,
 
 On the GPU this is ``torch._scaled_mm`` with row-wise scales (cuBLASLt/CUTLASS float8
 tensor-core GEMM), and for a decode batch's few rows (``takes_small_gemm``) the Triton
-GEMM of ``kernels/fp8_small_gemm.py``, whose tiles fit them. Why W8A8 for batches:
+GEMM of ``kernels/fp8_small_gemm.py``, whose tiles fit them. With ``fuse_rows`` set the
+norm before the qkv and gate/up projections and the SiLU-and-mul before the down
+projection quantize their own output (``rmsnorm_linear``, ``silu_mul_linear``;
+``kernels/fp8_fused_quant.py``): the same float8 bytes, one launch fewer. Why W8A8 for batches:
 batched decode and prefill are bound by the matrix products, and the float8 tensor cores run twice the bf16 rate;
 a weight-only kernel halves the weight bytes too but computes in bf16.
 ``tools/gpu/check_fp8.py`` measures both products by batch size.
@@ -95,21 +98,23 @@ class Fp8Linear(nn.Module):
 
             y = fp8_linear_rows(rows, self.weight, self.weight_scale, self.bias,
                                 counters=self.tile_counters)
-            return y.view(*x.shape[:-1], self.out_features)
-        if x.is_cuda and rows.stride(-1) == 1 and self.takes_small_gemm(rows.shape[0]):
+        else:
+            y = self.w8a8(*quantize_tokens(rows), x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def w8a8(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The product of rows already quantized per token (float8 [T, K], float32 scales
+        [T, 1]), bias included, in ``dtype``."""
+        if xq.is_cuda and self.takes_small_gemm(xq.shape[0]):
             from ..kernels.fp8_small_gemm import small_gemm
 
             # the bias goes into the kernel's epilogue: no separate add launch
-            y = small_gemm(*quantize_tokens(rows), self.weight, self.weight_scale, self.bias,
-                           x.dtype)
-            return y.view(*x.shape[:-1], self.out_features)
-        if x.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
-            y = scaled_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
+            return small_gemm(xq, x_scale, self.weight, self.weight_scale, self.bias, dtype)
+        if xq.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
+            y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, dtype)
         else:
-            y = emulated_mm(*quantize_tokens(rows), self.weight, self.weight_scale, x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+            y = emulated_mm(xq, x_scale, self.weight, self.weight_scale, dtype)
+        return y if self.bias is None else y + self.bias
 
     def takes_small_gemm(self, rows: int) -> bool:
         """Whether W8A8 of ``rows`` rows runs ``kernels/fp8_small_gemm.py``: up to
@@ -129,23 +134,50 @@ class Fp8Linear(nn.Module):
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
                 and (self.bias is None or self.bias.dtype == x.dtype))
 
+    def fuses_norm(self, x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+        """Whether ``rmsnorm_linear`` takes ``x`` normed by ``norm_weight``: the
+        ``rows_fusable`` rows, and on CUDA the W8A8 rows whose norm can write their
+        float8 quantization directly (``kernels/fp8_fused_quant.py``)."""
+        from ..kernels.fp8_fused_quant import fusable_norm
+
+        if self.rows_fusable(x):
+            return norm_weight.dtype == x.dtype
+        return self.fuse_rows and fusable_norm(x, norm_weight)
+
+    def fuses_silu_mul(self, gate_up: torch.Tensor) -> bool:
+        """Whether ``silu_mul_linear`` takes ``gate_up``, as ``fuses_norm``."""
+        from ..kernels.fp8_fused_quant import fusable_silu_mul
+
+        return self.rows_fusable(gate_up) or (self.fuse_rows and fusable_silu_mul(gate_up))
+
     def rmsnorm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm_weight: torch.Tensor, eps: float):
-        """``RMSNorm.linear`` into this layer for ``rows_fusable`` rows, one launch:
+        """``RMSNorm.linear`` into this layer for the rows ``fuses_norm`` takes:
         ``(self(norm(x)), x)``, or with ``residual``, ``(self(norm(x + residual)),
-        x + residual)``."""
-        from ..kernels.fp8_gemv import fp8_rmsnorm_linear_rows
+        x + residual)``. One launch for ``rows_fusable`` rows (the weight-only kernel's
+        prologue); two for W8A8 rows (the norm writing float8, then the GEMM)."""
+        if self.rows_fusable(x):
+            from ..kernels.fp8_gemv import fp8_rmsnorm_linear_rows
 
-        return fp8_rmsnorm_linear_rows(x, residual, norm_weight, eps, self.weight,
-                                       self.weight_scale, self.bias,
-                                       counters=self.tile_counters)
+            return fp8_rmsnorm_linear_rows(x, residual, norm_weight, eps, self.weight,
+                                           self.weight_scale, self.bias,
+                                           counters=self.tile_counters)
+        from ..kernels.fp8_fused_quant import rmsnorm_quant
+
+        (xq, x_scale), residual = rmsnorm_quant(x, residual, norm_weight, eps)
+        return self.w8a8(xq, x_scale, x.dtype), residual
 
     def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``self(F.silu(gate) * up)`` for ``rows_fusable`` rows gate_up [rows, 2K]."""
-        from ..kernels.fp8_gemv import fp8_silu_mul_linear_rows
+        """``self(F.silu(gate) * up)`` for the rows gate_up [rows, 2K] that
+        ``fuses_silu_mul`` takes."""
+        if self.rows_fusable(gate_up):
+            from ..kernels.fp8_gemv import fp8_silu_mul_linear_rows
 
-        return fp8_silu_mul_linear_rows(gate_up, self.weight, self.weight_scale, self.bias,
-                                        counters=self.tile_counters)
+            return fp8_silu_mul_linear_rows(gate_up, self.weight, self.weight_scale,
+                                            self.bias, counters=self.tile_counters)
+        from ..kernels.fp8_fused_quant import silu_mul_quant
+
+        return self.w8a8(*silu_mul_quant(gate_up), gate_up.dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the float8 values and scales stand for, [out, in] in ``dtype``:
