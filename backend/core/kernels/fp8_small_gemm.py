@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_gemv import tile_counters
+
 
 class SmallGemmTiles(NamedTuple):
     """One launch's tiling: BLOCK_N weight rows by BLOCK_M batch rows a program, K in
@@ -36,12 +38,6 @@ class SmallGemmTiles(NamedTuple):
     warps: int = 4
     stages: int = 5
     split: int = 1  # K slices a tile (split K), their float32 sums added by the last
-
-
-H100_SMS = 132  # the SM count assumed off the GPU (H100 and H200 both have 132)
-# A K slice streams at least this many chunks: shorter ones spend more of their time
-# filling the pipeline and on the slices' sums than they gain in parallel streaming.
-MIN_SLICE_CHUNKS = 4
 
 
 @triton.jit
@@ -110,23 +106,14 @@ def _epilogue(acc, XScale, WScale, Bias, Y, rn, rm, nmask, mmask, stride_y,
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
 
 
-def choose_tiles(rows: int, n: int, k: int, sms: int = H100_SMS) -> SmallGemmTiles:
-    """The default tiling for ``rows`` batch rows of an [N, K] weight: all rows in one
-    program up to 64 (the tiles most often fastest in the H100 sweep of 2 to 128 rows),
-    and K split where the tiles leave SMs idle: as many slices as fill one program an SM
-    (the 8B o and down projections' 64 tiles: 2), each at least MIN_SLICE_CHUNKS chunks."""
-    block_m = min(max(16, triton.next_power_of_2(rows)), 64)
-    tiles = SmallGemmTiles(block_m=block_m)
-    programs = triton.cdiv(n, tiles.block_n) * triton.cdiv(rows, block_m)
-    chunks = triton.cdiv(k, tiles.block_k)
-    return tiles._replace(split=max(1, min(sms // programs, chunks // MIN_SLICE_CHUNKS)))
-
-
-def tile_counters(n: int, device) -> torch.Tensor:
-    """Zeroed int32 counts for the split-K launches of an N-output weight, enough for
-    any row count this kernel takes (one a tile of 64 outputs by up to 64 rows at 128
-    rows: 2 N / 64 <= N); ``Fp8Linear.tile_counters`` is one."""
-    return torch.zeros(n, dtype=torch.int32, device=device)
+def choose_tiles(rows: int) -> SmallGemmTiles:
+    """The default tiling for ``rows`` batch rows: all rows in one program up to 64 (the
+    tiles most often fastest in the H100 sweep of 2 to 128 rows), K not split. Split K
+    (``split`` > 1) is the sweep's alternative: on an H100 it took the 8B o and down
+    projections (64 tiles of 64 outputs for 132 SMs) from 9.6 to 10.3 us and from 30.5
+    to 31.5 us at 32 rows, slower at 64 rows too; it won only at one row (11.3 -> 10.5,
+    30.9 -> 29.5), which the weight-only kernels take."""
+    return SmallGemmTiles(block_m=min(max(16, triton.next_power_of_2(rows)), 64))
 
 
 def small_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
@@ -138,6 +125,7 @@ def small_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     dtype, added in float32 before the one rounding). Both operands need unit stride on
     K. ``counters``: the layer's zeroed int32 counts for split K (``tile_counters``;
     made here when not given)."""
+
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert x.dtype == weight.dtype and x_scale.numel() == x.shape[0], "float8 rows, a scale each"
@@ -146,7 +134,7 @@ def small_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     if rows == 0:
         return y
-    t = tiles or choose_tiles(rows, n, k, _sm_count(x.device))
+    t = tiles or choose_tiles(rows)
     grid_n, grid_m = triton.cdiv(n, t.block_n), triton.cdiv(rows, t.block_m)
     # slices of whole chunks; never an empty one (so fewer than t.split may launch)
     k_slice = triton.cdiv(triton.cdiv(k, t.split), t.block_k) * t.block_k
@@ -167,8 +155,3 @@ def small_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
         num_warps=t.warps, num_stages=t.stages)
     return y
 
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return H100_SMS  # the interpreter: the tiles an H100 would take
-    return torch.cuda.get_device_properties(device).multi_processor_count
