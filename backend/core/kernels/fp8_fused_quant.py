@@ -21,22 +21,13 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from .fp8_quant import _quantize_row
 from .fused import _scaled
 
 # One program holds a whole row in registers: the norm's width up to 8192 (Llama up to
 # 70B), the SiLU-and-mul's two halves up to 16384 columns each (8B: 14336).
 NORM_MAX_COLS = 8192
 SILU_MAX_COLS = 16384
-
-
-@triton.jit
-def _quantize_row(y, Q, S, row, stride_q, cols, mask, fp8_max, min_scale):
-    """``per_token_quant``'s numbers for one float32 row already rounded to the model
-    dtype: scale = absmax / fp8_max (at least min_scale), q = clamp(y / scale)."""
-    scale = tl.maximum(tl.max(tl.abs(y), 0) / fp8_max, min_scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max)
-    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + row, scale)
 
 
 @triton.jit

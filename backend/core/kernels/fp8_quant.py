@@ -17,16 +17,23 @@ MAX_COLS = 32768
 
 
 @triton.jit
+def _quantize_row(y, Q, S, row, stride_q, cols, mask, fp8_max, min_scale):
+    """``per_token_quant``'s numbers for one float32 row already rounded to the model
+    dtype: scale = absmax / fp8_max (at least min_scale), q = clamp(y / scale)."""
+    scale = tl.maximum(tl.max(tl.abs(y), 0) / fp8_max, min_scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max)
+    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row, scale)
+
+
+@triton.jit
 def _per_token_quant_kernel(X, Q, S, stride_x, stride_q, K, fp8_max, min_scale,
                             BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / fp8_max, min_scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + row, scale)
+    _quantize_row(x, Q, S, row, stride_q, cols, mask, fp8_max, min_scale)
 
 
 def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
