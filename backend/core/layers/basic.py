@@ -8,7 +8,9 @@ Small decode batches go further when ``fuse_rows`` is set (the model runner sets
 CUDA): the norm before a projection and the SiLU-and-mul before the down projection run
 as the prologue of a matrix-vector kernel (``kernels/gemv.py``; for FP8 layers,
 ``kernels/fp8_gemv.py`` through ``Fp8Linear`` and ``Fp8BlockLinear``), one launch per
-projection instead of two."""
+projection instead of two; larger batches of an ``Fp8Linear`` get the op fused with the
+quantization of its output instead (``kernels/fp8_fused_quant.py``), whichever the layer's
+``fuses_norm`` / ``fuses_silu_mul`` accept."""
 from __future__ import annotations
 
 import torch
