@@ -40,25 +40,6 @@ def _case_w8a8(m, n, k, bias):
     assert ((got - ref).abs() <= 2.0 ** -20 * magnitude + 1e-6).all()
 
 
-def _case_split_k(m, n, k, split, bias):
-    """K cut into slices whose float32 sums the last program adds: the unsplit product's
-    numbers up to float32 rounding, the same bits on every call, the counts back to 0."""
-    from backend.core.fp8 import quantize_rows
-    from backend.core.kernels.fp8_gemv import tile_counters
-    from backend.core.kernels.fp8_small_gemm import SmallGemmTiles, small_gemm
-    x, wq, ws, deq, b = _operands(m, n, k, m + n * k)
-    xq, xs = quantize_rows(x)
-    counters = tile_counters(n, "cpu")
-    tiles = SmallGemmTiles(**SMALL_TILES, split=split)
-    got = small_gemm(xq, xs, wq, ws, b if bias else None, torch.float32, tiles, counters)
-    ref = (xq.float() * xs) @ deq.T + (b if bias else 0)
-    magnitude = (xq.float() * xs).abs() @ deq.abs().T
-    assert ((got - ref).abs() <= 2.0 ** -20 * magnitude + 1e-6).all()
-    assert torch.equal(counters, torch.zeros_like(counters))  # ready for the next launch
-    again = small_gemm(xq, xs, wq, ws, b if bias else None, torch.float32, tiles, counters)
-    assert torch.equal(got, again)
-
-
 def _case_no_rows():
     from backend.core.kernels.fp8_small_gemm import small_gemm
     _, wq, ws, _, _ = _operands(1, 48, 64, 0)
@@ -71,11 +52,6 @@ CASES = {}
 for _m, _n, _k in [(1, 32, 32), (3, 100, 96), (16, 64, 128), (17, 70, 200), (40, 33, 64)]:
     for _bias in (False, True):
         CASES[f"w8a8-{_m}x{_n}x{_k}-bias{_bias}"] = (_case_w8a8, dict(m=_m, n=_n, k=_k, bias=_bias))
-# slices that divide K, a ragged last slice, more slices asked than K has chunks, and
-# several row tiles sharing the counts
-for _m, _n, _k, _split in [(3, 64, 128, 2), (17, 70, 200, 3), (2, 32, 64, 4), (40, 33, 160, 2)]:
-    CASES[f"split{_split}-{_m}x{_n}x{_k}"] = (_case_split_k, dict(m=_m, n=_n, k=_k, split=_split,
-                                                                   bias=_m % 2 == 1))
 CASES["no-rows"] = (_case_no_rows, {})
 
 
@@ -83,12 +59,6 @@ def test_default_tiles_take_every_row_of_a_decode_batch_up_to_64():
     from backend.core.kernels.fp8_small_gemm import choose_tiles
     assert [choose_tiles(r).block_m for r in (1, 2, 16, 17, 32, 33, 64, 128)] == \
         [16, 16, 16, 32, 32, 64, 64, 64]
-
-
-def test_default_tiles_never_split_k():
-    from backend.core.kernels.fp8_small_gemm import choose_tiles
-    # measured slower at 32 and 64 rows on the 8B o and down projections (choose_tiles)
-    assert {choose_tiles(r).split for r in (1, 2, 32, 64, 128)} == {1}
 
 
 def test_few_rows_take_it_and_narrow_projections_take_it_twice_as_far():

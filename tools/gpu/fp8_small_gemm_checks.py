@@ -3,8 +3,8 @@
 For each projection of the Llama-3.1-8B shape and each batch size in ``--rows``:
 checks the kernel against the dequantized float32 product of the same float8 operands,
 then times, in microseconds a projection, bf16 ``F.linear``, ``per_token_quant`` +
-``torch._scaled_mm``, and ``per_token_quant`` + the kernel with the default tiles, the same
-tiles with K split in two, and the best tiles of a sweep (split K included). Prints a table; writes ``$OUT/fp8_small_gemm.json``; exits 1 if
+``torch._scaled_mm``, and ``per_token_quant`` + the kernel with the default tiles and
+with the best tiles of a sweep. Prints a table; writes ``$OUT/fp8_small_gemm.json``; exits 1 if
 a check fails.
 
     python3 tools/gpu/fp8_small_gemm_checks.py --out $OUT [--rows 2,8,32,64,128] [--budget-s 240]
@@ -35,10 +35,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 
 
-def sweep_tiles(rows: int, n: int, k: int) -> list[SmallGemmTiles]:
+def sweep_tiles(rows: int) -> list[SmallGemmTiles]:
     block_ms = sorted({choose_tiles(rows).block_m, min(128, max(16, rows))})
-    return [SmallGemmTiles(bn, bm, bk, w, s, split) for bn, bm, bk, w, s, split in itertools.product(
-        (32, 64), block_ms, (256,), (4,), (4, 5), (1, 2, 3, 4))]
+    return [SmallGemmTiles(bn, bm, bk, w, s) for bn, bm, bk, w, s in itertools.product(
+        (32, 64, 128), block_ms, (128, 256), (4,), (3, 5))]
 
 
 def _us(fn) -> float:
@@ -61,23 +61,16 @@ def run(rows_list, budget_s: float) -> tuple[dict, list[str]]:
             x = torch.randn(rows, k, device=dev, generator=gen, dtype=torch.bfloat16)
             xq, xs = per_token_quant(x)
             ref8 = ((xq.float() * xs) @ deq.T)
-            for split in (1, 2, 3):  # split K: the slices' sums meet in float32
-                t = choose_tiles(rows)._replace(split=split)
-                got = small_gemm(xq, xs, wq, ws_row, None, torch.bfloat16, t)
-                err = ((got.float() - ref8).abs().max() / ref8.abs().max()).item()
-                if not err < 0.01:  # bf16 output rounding is 0.4% of the largest value
-                    failures.append(f"{name} rows {rows} split {split}: relative error {err:.4f}")
-                again = small_gemm(xq, xs, wq, ws_row, None, torch.bfloat16, t)
-                if not torch.equal(got, again):  # the same bits whichever slice ends last
-                    failures.append(f"{name} rows {rows} split {split}: differs between calls")
+            got = small_gemm(xq, xs, wq, ws_row, None, torch.bfloat16)
+            err = ((got.float() - ref8).abs().max() / ref8.abs().max()).item()
+            if not err < 0.01:  # bf16 output rounding is 0.4% of the largest value
+                failures.append(f"{name} rows {rows}: relative error {err:.4f}")
             row = {"bf16": _us(lambda: F.linear(x, wbf)),
                    "scaled_mm": _us(lambda: scaled_mm(*per_token_quant(x), wq, ws_row, torch.bfloat16)),
-                   "w8a8_default": _us(lambda: small_gemm(*per_token_quant(x), wq, ws_row, None, torch.bfloat16)),
-                   "w8a8_split2": _us(lambda: small_gemm(*per_token_quant(x), wq, ws_row, None, torch.bfloat16,
-                                                         choose_tiles(rows)._replace(split=2)))}
+                   "w8a8_default": _us(lambda: small_gemm(*per_token_quant(x), wq, ws_row, None, torch.bfloat16))}
             deadline = time.time() + per_case_s
             best = (row["w8a8_default"], choose_tiles(rows))
-            for t in sweep_tiles(rows, n, k):
+            for t in sweep_tiles(rows):
                 if time.time() > deadline:
                     break
                 try:
@@ -92,7 +85,7 @@ def run(rows_list, budget_s: float) -> tuple[dict, list[str]]:
             row["weight_mb"] = n * k / 1e6
             table[f"{name}/{rows}"] = row
             print(f"{name:8s} rows {rows:4d}: bf16 {row['bf16']:7.1f}  scaled_mm {row['scaled_mm']:7.1f}  "
-                  f"w8a8 {row['w8a8_default']:7.1f} split K in 2 {row['w8a8_split2']:7.1f} best {row['w8a8_best']:7.1f}  "
+                  f"w8a8 {row['w8a8_default']:7.1f}/{row['w8a8_best']:7.1f}  "
                   f"best tiles {tuple(row['w8a8_best_tiles'].values())}", flush=True)
     return table, failures
 

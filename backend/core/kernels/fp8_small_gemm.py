@@ -25,43 +25,37 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemv import tile_counters
-
 
 class SmallGemmTiles(NamedTuple):
     """One launch's tiling: BLOCK_N weight rows by BLOCK_M batch rows a program, K in
-    BLOCK_K chunks, ``stages`` chunks in flight, ``warps`` warps a program, K cut into
-    ``split`` slices (one program each)."""
+    BLOCK_K chunks, ``stages`` chunks in flight, ``warps`` warps a program."""
     block_n: int = 64
     block_m: int = 32
     block_k: int = 256
     warps: int = 4
     stages: int = 5
-    split: int = 1  # K slices a tile (split K), their float32 sums added by the last
 
 
 @triton.jit
-def _small_gemm_kernel(X, XScale, W, WScale, Bias, Y, Partial, Counts, M, N, K, k_slice,
-                       stride_x, stride_w, stride_y,
-                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+def _small_gemm_kernel(X, XScale, W, WScale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    k_start = tl.program_id(2) * k_slice
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     mmask = rm < M
     # rows past N or M read row 0 (in bounds) and are never stored: no mask in the loop
-    w_ptrs = W + tl.where(nmask, rn, 0).to(tl.int64)[:, None] * stride_w + (k_start + rk)[None, :]
-    x_ptrs = X + tl.where(mmask, rm, 0).to(tl.int64)[None, :] * stride_x + (k_start + rk)[:, None]
+    w_ptrs = W + tl.where(nmask, rn, 0).to(tl.int64)[:, None] * stride_w + rk[None, :]
+    x_ptrs = X + tl.where(mmask, rm, 0).to(tl.int64)[None, :] * stride_x + rk[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(K, k_start + k_slice), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs)
-        else:  # slices are whole chunks: only the end of K is ragged
+        else:
             kmask = rk + k0 < K
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
@@ -70,34 +64,6 @@ def _small_gemm_kernel(X, XScale, W, WScale, Bias, Y, Partial, Counts, M, N, K, 
         acc += tl.dot(w, x)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if SPLIT == 1:
-        _epilogue(acc, XScale, WScale, Bias, Y, rn, rm, nmask, mmask, stride_y, HAS_BIAS)
-    else:
-        # Partial [SPLIT, M, N]: each K slice writes its sums and counts itself in; the
-        # last of a tile's slices adds them all, slice 0 first (the same bits whichever
-        # finishes last), and resets the count (zero between launches: a CUDA graph
-        # replays the launch as it is). The barrier orders every thread's stores before
-        # the count's release.
-        tile = pid_m * tl.num_programs(0) + pid_n
-        p_offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
-        pmask = nmask[:, None] & mmask[None, :]
-        tl.store(Partial + tl.program_id(2).to(tl.int64) * M * N + p_offs, acc, mask=pmask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Counts + tile, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):  # .cg: from L2, where the other SMs wrote
-                total += tl.load(Partial + s * M * N + p_offs, mask=pmask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(Counts + tile, 0)
-            _epilogue(total, XScale, WScale, Bias, Y, rn, rm, nmask, mmask, stride_y,
-                      HAS_BIAS)
-
-
-@triton.jit
-def _epilogue(acc, XScale, WScale, Bias, Y, rn, rm, nmask, mmask, stride_y,
-              HAS_BIAS: tl.constexpr):
-    """Both scales, the bias in float32, one rounding to Y's dtype."""
     acc = acc * tl.load(WScale + rn, mask=nmask, other=0.0)[:, None]
     acc = acc * tl.load(XScale + rm, mask=mmask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -108,24 +74,17 @@ def _epilogue(acc, XScale, WScale, Bias, Y, rn, rm, nmask, mmask, stride_y,
 
 def choose_tiles(rows: int) -> SmallGemmTiles:
     """The default tiling for ``rows`` batch rows: all rows in one program up to 64 (the
-    tiles most often fastest in the H100 sweep of 2 to 128 rows), K not split. Split K
-    (``split`` > 1) is the sweep's alternative: on an H100 it took the 8B o and down
-    projections (64 tiles of 64 outputs for 132 SMs) from 9.6 to 10.3 us and from 30.5
-    to 31.5 us at 32 rows, slower at 64 rows too; it won only at one row (11.3 -> 10.5,
-    30.9 -> 29.5), which the weight-only kernels take."""
-    return SmallGemmTiles(block_m=min(max(16, triton.next_power_of_2(rows)), 64))
+    tiles most often fastest in the H100 sweep of 2 to 128 rows)."""
+    block_m = min(max(16, triton.next_power_of_2(rows)), 64)
+    return SmallGemmTiles(block_m=block_m)
 
 
 def small_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-               tiles: SmallGemmTiles | None = None,
-               counters: torch.Tensor | None = None) -> torch.Tensor:
+               tiles: SmallGemmTiles | None = None) -> torch.Tensor:
     """``y [M, N]`` in ``out_dtype`` from float8 x [M, K] with ``x_scale`` [M, 1], float8
     weight [N, K] with ``w_scale`` [N] or [1, N] (float32), and ``bias`` [N] (any float
-    dtype, added in float32 before the one rounding). Both operands need unit stride on
-    K. ``counters``: the layer's zeroed int32 counts for split K (``tile_counters``;
-    made here when not given)."""
-
+    dtype, added in float32 before the one rounding). Both operands need unit stride on K."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert x.dtype == weight.dtype and x_scale.numel() == x.shape[0], "float8 rows, a scale each"
@@ -135,23 +94,12 @@ def small_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     if rows == 0:
         return y
     t = tiles or choose_tiles(rows)
-    grid_n, grid_m = triton.cdiv(n, t.block_n), triton.cdiv(rows, t.block_m)
-    # slices of whole chunks; never an empty one (so fewer than t.split may launch)
-    k_slice = triton.cdiv(triton.cdiv(k, t.split), t.block_k) * t.block_k
-    split = triton.cdiv(k, k_slice)
-    if split > 1:
-        partial = torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
-        if counters is None:
-            counters = tile_counters(grid_n * grid_m, x.device)
-        assert counters.dtype == torch.int32 and counters.numel() >= grid_n * grid_m
-    else:
-        partial = counters = y  # not read
-    _small_gemm_kernel[(grid_n, grid_m, split)](
+    grid = (triton.cdiv(n, t.block_n), triton.cdiv(rows, t.block_m))
+    _small_gemm_kernel[grid](
         x, x_scale, weight, w_scale.reshape(-1),
-        bias if bias is not None else w_scale, y, partial, counters, rows, n, k, k_slice,
+        bias if bias is not None else w_scale, y, rows, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0, SPLIT=split,
+        HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0,
         BLOCK_N=t.block_n, BLOCK_M=t.block_m, BLOCK_K=t.block_k,
         num_warps=t.warps, num_stages=t.stages)
     return y
-

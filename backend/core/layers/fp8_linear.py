@@ -78,8 +78,7 @@ class Fp8Linear(nn.Module):
         # [1, out]: the row-wise layout _scaled_mm takes for the second operand
         self.register_buffer("weight_scale", weight_scale.view(1, -1))
         self.register_buffer("bias", bias)
-        # the split-K launches' tile counts (kernels/fp8_gemv.py, fp8_small_gemm.py), zero
-        # between calls
+        # the split-K launches' tile counts (kernels/fp8_gemv.py), zero between calls
         self.register_buffer("tile_counters", torch.zeros(self.out_features, dtype=torch.int32,
                                                           device=weight.device),
                              persistent=False)
@@ -110,8 +109,7 @@ class Fp8Linear(nn.Module):
             from ..kernels.fp8_small_gemm import small_gemm
 
             # the bias goes into the kernel's epilogue: no separate add launch
-            return small_gemm(xq, x_scale, self.weight, self.weight_scale, self.bias, dtype,
-                              counters=self.tile_counters)
+            return small_gemm(xq, x_scale, self.weight, self.weight_scale, self.bias, dtype)
         if xq.is_cuda and self.in_features % _MM_ALIGN == 0 and self.out_features % _MM_ALIGN == 0:
             y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, dtype)
         else:
