@@ -1,6 +1,7 @@
 """Where a decode step's time goes, overlap scheduling on and off, on a CUDA GPU.
 
     python tools/profile_decode.py --model /tmp/shapes/llama-8b [--batch 1 32] [--out DIR]
+        [--quantization fp8] [--overlap on]
 
 For each setting (overlap off, overlap on) and batch size: steady greedy decode, then
   * wall ms per step over 100 steps;
@@ -184,19 +185,23 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=150_000)
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    ap.add_argument("--quantization", default="none", help="EngineConfig.quantization (fp8, ...)")
+    ap.add_argument("--overlap", choices=("off", "on", "both"), default="both")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
     results, report = [], []
-    for overlap in (False, True):
+    overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
+    for overlap in overlaps:
         eng = Engine(EngineConfig(model_path=args.model, device=args.device,
                                   dtype="bfloat16" if args.device == "cuda" else "float32",
                                   load_format="dummy", max_total_tokens=args.kv_tokens,
                                   max_running_requests=256, max_prefill_tokens=8192,
-                                  enable_overlap=overlap))
+                                  enable_overlap=overlap, quantization=args.quantization))
         for b in args.batch:
             r = profile_one(eng, b, args.prompt_len, report)
             r["overlap"] = overlap
+            r["quantization"] = args.quantization
             results.append(r)
             print(json.dumps(r), flush=True)
         del eng

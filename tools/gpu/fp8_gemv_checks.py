@@ -34,23 +34,36 @@ TIMED_ROWS = (1, 2, 4, 8)  # where weight-only stops beating W8A8 sets WEIGHT_ON
 CHECKED_ROWS = (1, 2)  # and every row count timed
 REPEATS = 30
 BEFORE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "fp8_gemv_gpu.json"
-# (BLOCK_N, BLOCK_K, warps, split, stages): stages - 1 chunks ahead through shared memory.
-# Split 0 stands for the rule's split of that shape with these tiles.
-SWEEP = ((8, 4096, 8, 1, 1), (16, 1024, 4, 0, 3), (16, 1024, 4, 1, 3), (16, 1024, 4, 4, 3),
-         (16, 1024, 4, 0, 2), (16, 1024, 4, 0, 4), (16, 1024, 8, 0, 3), (8, 1024, 4, 0, 3),
-         (16, 512, 4, 0, 4), (16, 2048, 8, 0, 3), (32, 512, 4, 0, 3))
+# (BLOCK_N, BLOCK_K, warps, split, stages[, persist]): stages - 1 chunks ahead through
+# shared memory; persist > 0: whole rows, that many programs an SM streaming tiles
+# (fp8_gemv_stream.py). Split 0 stands for the rule's split of that shape with these
+# tiles. First the one-program-a-tile tilings (whole rows where BLOCK_K >= K), then the
+# streaming ones (16384 columns: the down projection's whole rows), then split K.
+SWEEP = ((8, 4096, 8, 1, 1), (8, 4096, 4, 1, 1), (4, 4096, 8, 1, 1), (4, 4096, 4, 1, 1),
+         (2, 4096, 4, 1, 1), (8, 2048, 8, 1, 1), (8, 2048, 4, 1, 1), (16, 2048, 8, 1, 1),
+         (8, 4096, 8, 1, 1, 2), (8, 4096, 8, 1, 1, 4), (8, 4096, 8, 1, 2, 2),
+         (8, 4096, 8, 1, 2, 3), (4, 4096, 8, 1, 1, 4), (4, 4096, 8, 1, 1, 6),
+         (4, 4096, 8, 1, 2, 4), (4, 4096, 4, 1, 1, 6), (4, 4096, 4, 1, 2, 4),
+         (8, 4096, 4, 1, 1, 4), (2, 4096, 4, 1, 1, 8),
+         (2, 16384, 16, 1, 1, 1), (2, 16384, 16, 1, 1, 2), (2, 16384, 8, 1, 1, 2),
+         (1, 16384, 8, 1, 1, 2), (1, 16384, 8, 1, 2, 2), (2, 16384, 16, 1, 2, 1),
+         (16, 1024, 4, 0, 3), (16, 2048, 8, 0, 3))
 
 
 def _sweep_tiles(n: int, k: int, rows: int):
     """The default tiles, the split-K alternative, then ``SWEEP`` (split 0: the split
     that fills one round of resident programs), each once."""
+    import triton
+
     from backend.core.kernels.fp8_gemv_tiles import (GemvTiles, choose_tiles, filling_split,
                                                      split_k_tiles)
 
     out = [choose_tiles(n, k, rows), split_k_tiles(n, k, rows)]
-    for block_n, block_k, warps, split, stages in SWEEP:
+    for block_n, block_k, warps, split, stages, *persist in SWEEP:
+        if block_k > max(triton.next_power_of_2(k), 4096) or (persist and block_k < k):
+            continue  # whole rows padded past the next power of two, or not whole rows
         split = split or filling_split(n, k, block_n, block_k, rows)
-        out.append(GemvTiles(block_n, block_k, warps, split, stages))
+        out.append(GemvTiles(block_n, block_k, warps, split, stages, *persist))
     return list(dict.fromkeys(out))
 
 

@@ -46,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemv_tiles import GemvTiles, choose_tiles, k_slice
+from .fp8_gemv_stream import _fp8_gemv_stream_kernel, _store_out, programs_for
+from .fp8_gemv_tiles import H200_SMS, GemvTiles, choose_tiles, k_slice
 from .gemv import _input_chunk, _normalise
 
 MAX_ROWS = 8  # Fp8Linear sends up to its WEIGHT_ONLY_ROWS here, W8A8 above
@@ -187,19 +188,6 @@ def _row_input(X, Res, NormW, s_row, kk, kmask, K, rstds, rows, m, dtype,
     return x
 
 
-@triton.jit
-def _store_out(acc, Scale, Bias, Out, rows, rn, nmask, N, ROWS: tl.constexpr,
-               HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """The per-channel scale and the bias on the float32 sums [ROWS_PAD, BLOCK_N], then
-    one rounding to the output dtype."""
-    if SCALE_BLOCK == 0:
-        acc = acc * tl.load(Scale + rn, mask=nmask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + rows[:, None] * N + rn[None, :], acc.to(Out.dtype.element_ty),
-             mask=(rows[:, None] < ROWS) & nmask[None, :])
-
-
 def tile_counters(n: int, device: torch.device | str) -> torch.Tensor:
     """Zeroed int32 counts for the split-K launches of an N-output weight (one per
     output, enough for any BLOCK_N). Every launch leaves them zero again, so a layer
@@ -239,6 +227,21 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         assert counters.dtype == torch.int32 and counters.numel() >= n_tiles
     else:
         partial = counters = out  # not read
+    if tiles.persist and split == 1 and tiles.block_k >= k:
+        # whole rows, a few programs an SM each streaming several tiles (fp8_gemv_stream)
+        sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
+               if x.is_cuda else H200_SMS)
+        _fp8_gemv_stream_kernel[(programs_for(n_tiles, tiles.persist, sms),)](
+            x, res if res is not None else x, norm_weight if norm_weight is not None else x,
+            weight, scale, bias if bias is not None else x, out,
+            res_out if res_out is not None else x,
+            n, k, n_tiles, x.stride(0), res.stride(0) if res is not None else 0,
+            weight.stride(0), stride_sn, block or 1, float(eps),
+            PROLOGUE=prologue, HAS_BIAS=bias is not None, SCALE_BLOCK=block or 0,
+            ROWS=rows, ROWS_PAD=rows_pad, BLOCK_N=block_n, BLOCK_K=tiles.block_k,
+            STAGES=tiles.stages, num_warps=tiles.warps,
+        )
+        return out
     _fp8_gemv_kernel[(n_tiles, split)](
         x, res if res is not None else x, norm_weight if norm_weight is not None else x,
         weight, scale, bias if bias is not None else x, out,

@@ -59,12 +59,15 @@ class GemvTiles(NamedTuple):
     """One launch's tiling: BLOCK_N outputs by BLOCK_K inputs a chunk, ``warps`` warps
     a program, K cut into ``split`` slices (one program each) per BLOCK_N outputs.
     ``stages - 1`` chunks are requested ahead through shared memory (async copies,
-    Triton's pipelining; 1: each chunk waited for, as before split K)."""
+    Triton's pipelining; 1: each chunk waited for, as before split K). ``persist`` > 0
+    (whole rows, one slice): ``persist`` programs an SM, each streaming several tiles
+    (``fp8_gemv_stream.py``); 0: one program a tile."""
     block_n: int
     block_k: int
     warps: int
     split: int = 1
     stages: int = 1
+    persist: int = 0  # > 0: whole rows, this many programs an SM walking the tiles
 
 
 def choose_tiles(n: int, k: int, rows: int) -> GemvTiles:
