@@ -104,3 +104,41 @@ def test_the_interpreter_split_k_cases_do_split_k():
     for rows in (1, 2):
         tiles = split_k_tiles(48, 4100, rows)
         assert tiles.split == 2 and tiles.stages == 3 and tiles.block_k < 4100, tiles
+
+
+def _compile_stream_for_h200(prologue, rows, tiles, block):
+    """The streaming whole-row kernel (fp8_gemv_stream.py) compiled for sm_90."""
+    import triton
+
+    from backend.core.kernels import fp8_gemv_stream
+    pointers = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "W": "*fp8e4nv",
+                "Scale": "*fp32", "Bias": "*bf16", "Out": "*bf16", "ResOut": "*bf16"}
+    ints = dict.fromkeys(["N", "K", "n_tiles", "stride_x", "stride_r", "stride_wn",
+                          "stride_sn", "scale_rows"], "i32")
+    consts = dict(PROLOGUE=prologue, HAS_BIAS=False, SCALE_BLOCK=block, ROWS=rows,
+                  ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n,
+                  BLOCK_K=tiles.block_k, STAGES=tiles.stages)
+    signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
+    aligned = list(pointers) + ["N", "K", "stride_x", "stride_r", "stride_wn"]
+    return compile_for_h200(fp8_gemv_stream._fp8_gemv_stream_kernel, signature, consts,
+                            aligned, num_warps=tiles.warps).resources
+
+
+@pytest.mark.parametrize("prologue, rows, tiles", [
+    (2, 1, (4, 4096, 8, 1, 1, 4)), (0, 1, (8, 4096, 8, 1, 2, 2)),
+    (3, 1, (2, 16384, 16, 1, 1, 1)), (2, 2, (4, 4096, 8, 1, 1, 4))])
+def test_the_streaming_kernel_keeps_its_tiles_in_registers_and_few_of_them(prologue, rows,
+                                                                           tiles):
+    """A streaming program holds its input rows for all its tiles: at the 8B shapes'
+    tiles it must neither spill nor take so many registers that fewer than two programs
+    fit an SM (65536 registers) -- a float8 tile carried from one iteration to the next
+    in registers took a register a byte (174 a thread), which is why the tile ahead goes
+    through shared memory."""
+    import re
+
+    from backend.core.kernels.fp8_gemv_tiles import GemvTiles
+    tiles = GemvTiles(*tiles)
+    usage = _compile_stream_for_h200(prologue, rows, tiles, 0)
+    assert "LOCAL:0 " in usage and "STACK:0 " in usage, usage
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert 2 * registers * 32 * tiles.warps <= 65536, usage

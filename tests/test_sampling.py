@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from backend.core import SamplingParams
-from backend.core.sampling import SamplingRow, apply_penalties, draw, filter_logits, sample
+from backend.core.sampling import (SamplingRow, apply_penalties, argmax_rows, draw,
+                                   filter_logits, sample, vocab_chunks)
 from backend.core.transfer import HostToDevice
 
 CPU = HostToDevice("cpu")
@@ -50,6 +51,32 @@ def test_greedy_picks_the_argmax_of_each_row():
                            [-3.0, -2.0, -1.0, -4.0]])
     res = sample(logits, [_row(temperature=0.0) for _ in range(3)], CPU, 0, want_logprobs=False)
     assert res.token_ids.tolist() == [1, 0, 2]
+
+
+@pytest.mark.parametrize("vocab", [128256, 151936, 49152, 32000, 1000, 4099])
+def test_the_two_round_argmax_is_torch_argmax_ties_and_nans_included(vocab):
+    """argmax_rows cuts a row into chunks (128,256 = 256 x 501; a prime 4099 is not
+    cut): the same index as argmax, the first of tied maxima even across chunks, the
+    first NaN where a row has one."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[1, [7, vocab // 2, vocab - 1]] = 50.0  # tied maxima in different chunks
+    logits[2] = 0.0  # all tied: index 0
+    logits[3, [vocab - 3, 5]] = float("nan")  # NaN wins, the first one
+    logits[4, vocab - 1] = float("inf")
+    logits[5, :] = float("-inf")
+    logits[5, vocab // 3] = -1.0
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits)[1].item() == 7 and argmax_rows(logits)[3].item() == 5
+
+
+def test_vocabularies_are_cut_into_chunks_of_at_least_256_logits():
+    assert vocab_chunks(128256) == 256 and 128256 // 256 == 501
+    assert vocab_chunks(32000) == 125 and vocab_chunks(4099) == 1
+    assert vocab_chunks(1000) == 1  # under 16 chunks of 256: one round
+    for v in (151936, 49152, 262144, 50257, 32064):
+        c = vocab_chunks(v)
+        assert c == 1 or (v % c == 0 and v // c >= 256 and 16 <= c <= 256)
 
 
 def test_top_k_one_is_greedy_even_at_high_temperature():

@@ -26,7 +26,7 @@ from .model_runner import ModelRunner
 from .outputs import TokenLogprob
 from .parallel.protocol import RankStep
 from .request import Req
-from .sampling import SampleResult, SamplingRow, sample
+from .sampling import SampleResult, SamplingRow, argmax_rows, sample
 from .schedule_plan import ScheduledItem, SchedulePlan
 
 
@@ -241,7 +241,7 @@ class ForwardStep:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
         if all(r.plain_greedy and r.grammar is None for r in reqs):
-            return SampleResult(logits.argmax(dim=-1), None, None, None)
+            return SampleResult(argmax_rows(logits), None, None, None)
         rows = [SamplingRow(r.params, r.origin_input_ids, r.output_ids, self._generator(r),
                             r.rules) for r in reqs]
         top = max(r.params.logprobs or 0 for r in reqs)

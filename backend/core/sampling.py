@@ -7,6 +7,7 @@ top-p -> min-p -> draw. Logprobs (and ranks) are reported from the raw model dis
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,33 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [B, V], the same indices (the first maximum of a row;
+    a NaN counts as the maximum), in two rounds: the largest of each of ``C`` equal
+    chunks of a row, then the first chunk holding the row's largest. One row's argmax
+    over a large vocabulary runs on a single block of the GPU (38 µs for 128,256 float32
+    logits on an H100, 1% of an 8B decode step at batch 1); B x C chunks spread over every
+    SM. Falls back to the plain argmax where V has no divisor to cut it by."""
+    b, v = logits.shape
+    chunks = vocab_chunks(v)
+    if chunks == 1 or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    width = v // chunks
+    best, within = logits.view(b, chunks, width).max(dim=-1)  # first maximum of a chunk
+    chunk = best.argmax(dim=-1, keepdim=True)  # the first chunk with the row's maximum
+    return (chunk * width + within.gather(1, chunk)).squeeze(1)
+
+
+@functools.lru_cache(maxsize=64)
+def vocab_chunks(v: int) -> int:
+    """How many equal chunks ``argmax_rows`` cuts a row of ``v`` into: the largest divisor
+    of v from 16 to 256 whose chunks hold at least 256 logits, else 1 (no cut)."""
+    for chunks in range(min(256, v // 256), 15, -1):
+        if v % chunks == 0:
+            return chunks
+    return 1
+
+
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row via the exponential race (argmax p / E, E ~ Exp(1)), which needs
     no host sync; rows with their own generator draw their noise from it (seeded runs
@@ -127,7 +155,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], to_device: HostToDevic
 
     greedy = [r.params.is_greedy for r in rows]
     if all(greedy):
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
     else:
         knobs = to_device([[max(r.params.temperature, 1e-5), r.params.top_k, r.params.top_p,
                             r.params.min_p] for r in rows], torch.float32)
@@ -138,7 +166,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], to_device: HostToDevic
         token_ids = draw(probs, [r.generator for r in rows])
         if any(greedy):
             is_greedy = to_device(greedy, torch.bool)
-            token_ids = torch.where(is_greedy, logits.argmax(dim=-1), token_ids)
+            token_ids = torch.where(is_greedy, argmax_rows(logits), token_ids)
 
     if not want_logprobs:
         return SampleResult(token_ids, None, None, None)
