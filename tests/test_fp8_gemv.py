@@ -198,14 +198,16 @@ for _block in (0, 128):
 # small scale blocks: several block rows, each spanning programs of 4 rows
 CASES["linear-block16-narrow-tiles"] = (_case_linear, dict(n=50, k=72, rows=2, block=16,
                                                            config=(4, 32, 4, 1)))
+# each prologue the kernels fuse: (name, case, the case's extra arguments)
+_PROLOGUES = (("linear", _case_linear, {}),
+              ("norm-linear", _case_norm_linear, dict(residual=False)),
+              ("add-norm-linear", _case_norm_linear, dict(residual=True)),
+              ("silu-linear", _case_silu_linear, {}))
 # split K, explicit tiles: 16-output tiles over N = 70 (the last one partial), K = 600 in
 # 64-column chunks cut into 3 slices of 256, 256 and 88 columns, each chunk waited for
 # (stages 1); 1 and 2 rows, every prologue, both scale layouts (32-wide blocks: two
 # tiles a block row)
-for _name, _case, _extra in (("linear", _case_linear, {}),
-                             ("norm-linear", _case_norm_linear, dict(residual=False)),
-                             ("add-norm-linear", _case_norm_linear, dict(residual=True)),
-                             ("silu-linear", _case_silu_linear, {})):
+for _name, _case, _extra in _PROLOGUES:
     for _block in (0, 32):
         for _rows in (1, 2):
             CASES[f"{_name}-split3-block{_block}-r{_rows}"] = (_case, dict(
@@ -216,10 +218,7 @@ for _rows in (1, 2):
         n=70, k=600, rows=_rows, block=32, residual=True, config=(16, 64, 4, 3, 3)))
 # the split-K alternative's own tiles where they split (N small, K = 4100: 1024-column
 # chunks, two slices, two ahead), as the sweep of tools/gpu/fp8_gemv_checks.py runs them
-for _name, _case, _extra in (("linear", _case_linear, {}),
-                             ("norm-linear", _case_norm_linear, dict(residual=False)),
-                             ("add-norm-linear", _case_norm_linear, dict(residual=True)),
-                             ("silu-linear", _case_silu_linear, {})):
+for _name, _case, _extra in _PROLOGUES:
     for _rows in (1, 2):
         CASES[f"{_name}-split-k-tiles-r{_rows}"] = (_case, dict(
             n=48, k=4100, rows=_rows, block=0, config=tuple(split_k_tiles(48, 4100, _rows)),
@@ -227,10 +226,7 @@ for _name, _case, _extra in (("linear", _case_linear, {}),
 # whole rows, a few programs an SM streaming tiles (fp8_gemv_stream.py): 1031 outputs in
 # 516 tiles of 2 (the last one partial) over the interpreter's 132 SMs at one program an
 # SM: 129 programs of 4 tiles; every prologue, both scale layouts, 1 and 2 rows
-for _name, _case, _extra in (("linear", _case_linear, {}),
-                             ("norm-linear", _case_norm_linear, dict(residual=False)),
-                             ("add-norm-linear", _case_norm_linear, dict(residual=True)),
-                             ("silu-linear", _case_silu_linear, {})):
+for _name, _case, _extra in _PROLOGUES:
     for _block in (0, 32):
         for _rows in (1, 2):
             CASES[f"{_name}-stream-block{_block}-r{_rows}"] = (_case, dict(
