@@ -135,7 +135,7 @@ def _case_stream_same_bits():
     """At one row a streaming program sums each tile as the one-program-a-tile kernel does
     with the same tiles: the same bits."""
     from backend.core.kernels.fp8_gemv import fp8_rmsnorm_linear_rows
-    q, scale, _, _ = _weights(1031, 72, 0, 11)
+    q, scale, _, _ = _weights(301, 72, 0, 11)
     gen = torch.Generator().manual_seed(4)
     x, res, nw = (torch.randn(1, 72, generator=gen) for _ in range(3))
     one, _ = fp8_rmsnorm_linear_rows(x, res, nw[0], 1e-5, q, scale, config=(2, 128, 4))
@@ -223,19 +223,20 @@ for _name, _case, _extra in _PROLOGUES:
         CASES[f"{_name}-split-k-tiles-r{_rows}"] = (_case, dict(
             n=48, k=4100, rows=_rows, block=0, config=tuple(split_k_tiles(48, 4100, _rows)),
             **_extra))
-# whole rows, a few programs an SM streaming tiles (fp8_gemv_stream.py): 1031 outputs in
-# 516 tiles of 2 (the last one partial) over the interpreter's 132 SMs at one program an
-# SM: 129 programs of 4 tiles; every prologue, both scale layouts, 1 and 2 rows
+# whole rows, a few programs an SM streaming tiles (fp8_gemv_stream.py): 301 outputs in
+# 151 tiles of 2 (the last one partial) over the interpreter's 132 SMs at one program an
+# SM: 76 programs, 75 of 2 tiles and one of 1; every prologue, both scale layouts, 1 and
+# 2 rows
 for _name, _case, _extra in _PROLOGUES:
     for _block in (0, 32):
         for _rows in (1, 2):
             CASES[f"{_name}-stream-block{_block}-r{_rows}"] = (_case, dict(
-                n=1031, k=72, rows=_rows, block=_block, config=(2, 128, 4, 1, 1, 1),
+                n=301, k=72, rows=_rows, block=_block, config=(2, 128, 4, 1, 1, 1),
                 **_extra))
 CASES["silu-linear-stream-stages2-r2"] = (_case_silu_linear, dict(
-    n=1031, k=72, rows=2, block=32, config=(2, 128, 4, 1, 2, 1)))
+    n=301, k=72, rows=2, block=32, config=(2, 128, 4, 1, 2, 1)))
 CASES["add-norm-linear-stream-fp16"] = (_case_norm_linear, dict(
-    n=1031, k=72, rows=1, block=0, residual=True, dtype=torch.float16,
+    n=301, k=72, rows=1, block=0, residual=True, dtype=torch.float16,
     config=(2, 128, 4, 1, 1, 1)))
 CASES["stream-sums-are-the-one-program-a-tile-sums"] = (_case_stream_same_bits, {})
 CASES["split-counters-are-zero-again-and-results-repeat"] = (_case_counters_reused, {})

@@ -3,21 +3,25 @@ tiles: the variant of ``fp8_gemv.py``'s whole-row path for grids larger than one
 resident programs.
 
 With one program a tile, a program requests its tile, waits for it, computes and stores;
-the SM's next tile is only requested once a program ends, so while the SMs compute, the
-bus idles (the small projections of a batch-1 decode step: qkv and o reach about 55% of
-the bandwidth that way). Here a grid of a few programs an SM walks the tiles
-(``t = pid, pid + programs, ...``) and requests tile t + programs before computing tile
-t, so the next tile's bytes arrive during the products; and the input rows (the norm or
-SiLU-and-mul prologue) are computed once a program instead of once a tile.
+the SM's next tile is only requested once a program ends, and every program computes
+its input rows (the norm or SiLU-and-mul prologue, from L2) again. Here a grid of a few
+programs an SM walks the tiles (``t = pid, pid + programs, ...``): the input rows are
+computed once a program, and with ``STAGES`` > 1 the next tile is copied into shared
+memory (Triton's async copies) while the current one is summed:
 
-    grid (programs,); program p, tiles t = p, p + programs, ... < n_tiles:
-      w_next = load(tile t + programs)     (masked off past the last tile)
-      Out[rows, t*BLOCK_N : (t+1)*BLOCK_N] = sum over K of w * x   (scale, bias)
-      w = w_next
+    grid (programs,); program p: xs = the input rows after the prologue
+      for t = p, p + programs, ... < n_tiles:
+        Out[rows, t*BLOCK_N : (t+1)*BLOCK_N] = sum over K of w(t) * xs   (scale, bias)
 
-Each tile's sums are those of the one-program-a-tile kernel with the same BLOCK_N, BLOCK_K
-and warps (the same reduction over the same layout). ``programs_for`` balances the grid:
-every program gets the same number of tiles, or one fewer.
+A tile carried to the next iteration in registers instead took a register a byte of
+float8 (174 a thread at 8 x 4096, one program an SM). At one row each tile's sums are
+those of the one-program-a-tile kernel with the same BLOCK_N, BLOCK_K and warps (the
+same reduction over the same layout). ``programs_for`` balances the grid: every program
+gets the same number of tiles, or one fewer.
+
+Measured on an H100 (docs/benchmarks/fp8.md): only the 8B qkv projection gains (12.8 ->
+12.0 µs at one row), so the default tiles (``choose_tiles``) do not stream; the tile
+sweep of tools/gpu/fp8_gemv_checks.py times it.
 """
 from __future__ import annotations
 
