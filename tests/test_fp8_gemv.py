@@ -144,6 +144,15 @@ def _case_stream_same_bits():
     assert torch.equal(one, streamed)
 
 
+def _case_stream_refuses_chunked_k():
+    """Streaming tiles take whole rows: tiles that would cut K are refused, not quietly
+    run as one-program-a-tile chunks."""
+    from backend.core.kernels.fp8_gemv import fp8_linear_rows
+    q, scale, _, _ = _weights(40, 300, 0, 1)
+    with pytest.raises(AssertionError, match="whole rows"):
+        fp8_linear_rows(torch.randn(1, 300), q, scale, config=(2, 128, 4, 1, 1, 1))
+
+
 def _case_model(arch, prompt_len):
     """An FP8 model's logits with its small batches on the kernels (``fuse_rows``, as the
     runner sets it on CUDA) against the same model with every Fp8Linear swapped for its
@@ -239,6 +248,7 @@ CASES["add-norm-linear-stream-fp16"] = (_case_norm_linear, dict(
     n=301, k=72, rows=1, block=0, residual=True, dtype=torch.float16,
     config=(2, 128, 4, 1, 1, 1)))
 CASES["stream-sums-are-the-one-program-a-tile-sums"] = (_case_stream_same_bits, {})
+CASES["stream-refuses-tiles-that-cut-k"] = (_case_stream_refuses_chunked_k, {})
 CASES["split-counters-are-zero-again-and-results-repeat"] = (_case_counters_reused, {})
 CASES["refuses-nine-rows"] = (_case_refuses_nine_rows, {})
 for _arch in ("llama", "qwen2"):  # qwen2: QKV bias, tied head

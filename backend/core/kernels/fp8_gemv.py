@@ -24,11 +24,12 @@ Scales, one of two layouts:
   ``x[k] * scale[n // block, k // block]``, before the products: one multiply per input
   column and program instead of one per weight.
 
-One program computes BLOCK_N outputs of every row over one slice of K (``split``
-slices; tiles and split from ``fp8_gemv_tiles.choose_tiles``): it streams its weight
-chunks with the next ones in flight and computes the input columns meanwhile; each
-weight chunk, once in registers, serves all the rows. With K split, the slices of a
-tile meet in a float32 workspace:
+Tiles with ``persist`` > 0 (whole rows, one slice) go to ``fp8_gemv_stream.py``, a few
+programs an SM each walking several tiles. Otherwise one program computes BLOCK_N
+outputs of every row over one slice of K (``split`` slices; tiles and split from
+``fp8_gemv_tiles.choose_tiles``): it streams its weight chunks with the next ones in
+flight and computes the input columns meanwhile; each weight chunk, once in registers,
+serves all the rows. With K split, the slices of a tile meet in a float32 workspace:
 
     grid (N / BLOCK_N, split); program (t, s):
       Partial[s, rows, t*BLOCK_N : (t+1)*BLOCK_N] = sums over slice s
@@ -216,19 +217,11 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         assert scale.numel() == n and scale.is_contiguous(), "one scale per output channel"
         stride_sn = 0
     assert scale.dtype == torch.float32
-    per_slice, split = k_slice(k, tiles)  # split: slices actually launched
     n_tiles, rows_pad = triton.cdiv(n, block_n), triton.next_power_of_2(rows)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if split > 1:
-        # no zeroing: every slice writes its whole [rows_pad, BLOCK_N] block
-        partial = torch.empty(split, rows_pad, n, dtype=torch.float32, device=x.device)
-        if counters is None:
-            counters = tile_counters(n, x.device)
-        assert counters.dtype == torch.int32 and counters.numel() >= n_tiles
-    else:
-        partial = counters = out  # not read
-    if tiles.persist and split == 1 and tiles.block_k >= k:
-        # whole rows, a few programs an SM each streaming several tiles (fp8_gemv_stream)
+    if tiles.persist:  # a few programs an SM each streaming several tiles (fp8_gemv_stream)
+        assert tiles.split == 1 and tiles.block_k >= k, \
+            f"streaming tiles {tuple(tiles)} take whole rows of K ({k}), one slice"
         sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
                if x.is_cuda else H200_SMS)
         _fp8_gemv_stream_kernel[(programs_for(n_tiles, tiles.persist, sms),)](
@@ -242,6 +235,15 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
             STAGES=tiles.stages, num_warps=tiles.warps,
         )
         return out
+    per_slice, split = k_slice(k, tiles)  # split: slices actually launched
+    if split > 1:
+        # no zeroing: every slice writes its whole [rows_pad, BLOCK_N] block
+        partial = torch.empty(split, rows_pad, n, dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = tile_counters(n, x.device)
+        assert counters.dtype == torch.int32 and counters.numel() >= n_tiles
+    else:
+        partial = counters = out  # not read
     _fp8_gemv_kernel[(n_tiles, split)](
         x, res if res is not None else x, norm_weight if norm_weight is not None else x,
         weight, scale, bias if bias is not None else x, out,
