@@ -60,7 +60,7 @@ def test_k_slices_are_whole_chunks_that_cover_k_and_none_is_empty(k, split):
     assert (slices - 1) * per_slice < k <= slices * per_slice
 
 
-def _compile_for_h200(prologue, rows, tiles, block, k):
+def _compile_for_h200(prologue, rows, tiles, block, k, pdl=False):
     """The kernel compiled ahead of time for sm_90 (the H200); ptxas' resource line for it."""
     import triton
 
@@ -75,11 +75,11 @@ def _compile_for_h200(prologue, rows, tiles, block, k):
                   ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n,
                   BLOCK_K=tiles.block_k, SPLIT=k_slice(k, tiles).count,
                   WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages,
-                  NORM_BLOCK=min(triton.next_power_of_2(k), 4096))
+                  NORM_BLOCK=min(triton.next_power_of_2(k), 4096), PDL=pdl)
     signature = {**pointers, **ints, "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
     aligned = list(pointers) + ["N", "K", "k_slice", "stride_x", "stride_r", "stride_wn"]
     return compile_for_h200(fp8_gemv._fp8_gemv_kernel, signature, consts, aligned,
-                            num_warps=tiles.warps).resources
+                            num_warps=tiles.warps, launch_pdl=pdl)
 
 
 @pytest.mark.parametrize("prologue, rows, block, n, k", [
@@ -93,8 +93,38 @@ def test_the_kernels_compile_for_the_h200_without_spilling_registers(prologue, r
     rows and 2048-column chunks) compile for sm_90 and keep everything in registers (no
     local memory)."""
     from backend.core.kernels.fp8_gemv_tiles import choose_tiles
-    usage = _compile_for_h200(prologue, rows, choose_tiles(n, k, rows), block, k)
+    usage = _compile_for_h200(prologue, rows, choose_tiles(n, k, rows), block, k).resources
     assert "LOCAL:0 " in usage, usage
+
+
+@pytest.mark.parametrize("prologue, n, k", [(2, 6144, 4096), (0, 4096, 4096), (3, 4096, 14336)])
+def test_with_dependent_launch_only_weights_are_read_before_the_previous_kernel_ends(
+        prologue, n, k):
+    """Launched with programmatic dependent launch (pdl.py), a program may run while
+    the kernel before it still writes: in the compiled code, the wait for that kernel
+    comes before every load of an activation and every store, and after the weight
+    requests it may overlap (whole rows: the tile itself; chunks: L2 prefetches of the
+    first chunk). Without the attribute, none of the griddepcontrol instructions."""
+    import re
+
+    from backend.core.kernels.fp8_gemv_tiles import choose_tiles
+    tiles = choose_tiles(n, k, 1)
+    plain = _compile_for_h200(prologue, 1, tiles, 0, k).ptx
+    assert "griddepcontrol" not in plain and "prefetch.global.L2" not in plain
+    body = _compile_for_h200(prologue, 1, tiles, 0, k, pdl=True).ptx
+    wait = body.index("griddepcontrol.wait")
+    assert body.index("griddepcontrol.launch_dependents") > wait
+    before = body[:wait]
+    assert "st.global" not in before and "atom." not in before
+    # before the wait: the whole-row tile's own 16-byte loads and nothing else (an
+    # activation load moved up would add to them), or the first chunk's prefetches
+    if tiles.block_k >= k:
+        tile_loads = tiles.block_n * tiles.block_k // (32 * tiles.warps * 16)
+        assert len(re.findall(r"ld\.global\.v4", before)) == tile_loads
+        assert len(re.findall(r"ld\.global", before)) == tile_loads
+    else:
+        assert "prefetch.global.L2" in before and "ld.global" not in before
+    assert len(re.findall(r"ld\.global", body[wait:])) >= 1
 
 
 def test_the_interpreter_split_k_cases_do_split_k():

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from . import pdl
 from .decode_stages import _decode_stage1, _decode_stage2
 from .fused import check_rotary
 from .scales import check_kv_scales
@@ -137,6 +138,9 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     fp32 = dot_dtype == torch.float32
     tiles = tiles or decode_tiles(dot_dtype, head_dim)
     window = max(0, int(window))
+    # programmatic dependent launch (pdl.py): each stage starts while the kernel before
+    # it ends and waits for it before reading anything
+    early = pdl.dependent_launch(q.device)
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
         r.positions, r.cos, r.sin, r.k, r.v, r.loc,
@@ -149,12 +153,12 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
         WINDOW=window, SOFTCAP=softcap > 0, KV_FP8=fp8,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PDL=early, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=early,
     )
     if num_kv_splits > 1:
         _decode_stage2[(batch, num_heads)](
             work_acc, work_lse, o, seq_lens, min_split_len, o.stride(0), o.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
             BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_N=tiles.block_n,
-            BLOCK_D=block_d, WINDOW=window, num_warps=4,
+            BLOCK_D=block_d, WINDOW=window, PDL=early, num_warps=4, launch_pdl=early,
         )

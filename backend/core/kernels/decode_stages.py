@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .extend_attention import _scores
+from .pdl import await_previous_kernel
 from .scales import saturate
 
 NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf - inf
@@ -71,7 +72,10 @@ def _decode_stage1(
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (pdl.py): q and the new K/V are the previous kernel's
+        await_previous_kernel()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     k_scale = 1.0
@@ -181,9 +185,12 @@ def _decode_stage2(
     WorkAcc, WorkLse, O, SeqLens, min_split_len, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (request, head), for latency at small batch: merges the row's
     used splits; a one-pass row (stage 1 wrote it) costs it one load of seq_len."""
+    if PDL:  # launched early (pdl.py): the splits are stage 1's
+        await_previous_kernel()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     _, _, n_kv, chunk = _row_chunk(SeqLens, b, min_split_len, WINDOW, NUM_SPLITS, BLOCK_N)

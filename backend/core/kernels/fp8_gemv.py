@@ -47,9 +47,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl as pdl_launch
 from .fp8_gemv_stream import _fp8_gemv_stream_kernel, _store_out, programs_for
 from .fp8_gemv_tiles import H200_SMS, GemvTiles, choose_tiles, k_slice
 from .gemv import _input_chunk, _normalise
+from .pdl import await_previous_kernel, prefetch_to_l2
 
 MAX_ROWS = 8  # Fp8Linear sends up to its WEIGHT_ONLY_ROWS here, W8A8 above
 
@@ -63,7 +65,7 @@ def _fp8_gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, WHOLE_ROW: tl.constexpr,
-    STAGES: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)  # this program's K slice: [k_lo, k_hi)
@@ -80,6 +82,8 @@ def _fp8_gemv_kernel(
     if WHOLE_ROW:  # one chunk is all of K (BLOCK_K >= K, one slice): requested before
         # anything else, in flight while the input rows are computed
         w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & (rk < K)[None, :], other=0.0)
+        if PDL:  # launched early: only the weights are read before the previous kernel ends
+            await_previous_kernel()
         part = _whole_row_products(w, X, Res, NormW, ResOut, s_row, rk, K, stride_x, stride_r,
                                    eps, pid_n, rows, dtype, PROLOGUE, SCALE_BLOCK, ROWS,
                                    ROWS_PAD, BLOCK_N)
@@ -88,6 +92,10 @@ def _fp8_gemv_kernel(
         # products are summed within each strip only (inside one thread, no shuffles)
         # into ``strips`` [ROWS_PAD, BLOCK_N, BLOCK_K / 16], which is summed across
         # threads once, after the loop. The weight copies start after the norm's pass.
+        if PDL:  # launched early: the first chunk goes to L2 while the previous kernel ends
+            if BLOCK_K >= 128:
+                prefetch_to_l2(W, rn, N, k_lo, k_hi, stride_wn, BLOCK_N, BLOCK_K)
+            await_previous_kernel()
         rstds = _row_rstds(X, Res, ResOut, K, stride_x, stride_r, eps, pid_n + pid_k, rows,
                            dtype, PROLOGUE, ROWS, ROWS_PAD, NORM_BLOCK)
         k2 = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
@@ -201,6 +209,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
             res_out=None, config=None, counters=None):
     n, k = weight.shape
     rows = x.shape[0]
+    pdl = pdl_launch.dependent_launch(x.device)
     assert 0 < rows <= MAX_ROWS, f"{rows} rows: the FP8 matrix-vector products take 1..{MAX_ROWS}"
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
     assert x.stride(-1) == 1, "K must be contiguous"
@@ -253,7 +262,8 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, SCALE_BLOCK=block or 0,
         ROWS=rows, ROWS_PAD=rows_pad, BLOCK_N=block_n, BLOCK_K=tiles.block_k, SPLIT=split,
         WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages,
-        NORM_BLOCK=min(triton.next_power_of_2(k), 4096), num_warps=tiles.warps,
+        NORM_BLOCK=min(triton.next_power_of_2(k), 4096), PDL=pdl, num_warps=tiles.warps,
+        launch_pdl=pdl,
     )
     return out
 

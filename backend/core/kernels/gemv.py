@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import await_previous_kernel, prefetch_to_l2
+
 MAX_ROWS = 1  # batch-1 decode; wider batches take cuBLAS (see tools/check_gemv_gpu.py)
 
 _NONE, _NORM, _ADD_NORM, _SILU_MUL = 0, 1, 2, 3
@@ -63,7 +66,7 @@ def _gemv_kernel(
     X, Res, NormW, W, Bias, Out, ResOut,
     N, K, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,6 +80,8 @@ def _gemv_kernel(
         # flight while the input row is read and normalised
         kmask = rk < K
         w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if PDL:  # launched early (pdl.py): only the weights are read before this
+            await_previous_kernel()
         x = _input_chunk(X, Res, rk, kmask, K, PROLOGUE)
         if PROLOGUE == 2:
             tl.store(ResOut + rk, x.to(dtype), mask=kmask & ((rk * 0 + pid) == 0))
@@ -85,6 +90,10 @@ def _gemv_kernel(
             x = _normalise(x, NormW, rk, kmask, rstd, dtype)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     else:
+        if PDL:  # launched early (pdl.py): the first chunk goes to L2 meanwhile
+            if BLOCK_K >= 128:
+                prefetch_to_l2(W, rn, N, 0, K, stride_wn, BLOCK_N, BLOCK_K)
+            await_previous_kernel()
         rstd = 0.0
         if is_norm:  # pass 1: the sum of squares (program 0 also writes the new residual)
             ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -132,12 +141,13 @@ def _launch(prologue, x, weight, bias, res=None, norm_weight=None, eps=0.0, res_
     assert weight.dtype == x.dtype, "activations and weights must share a dtype"
     out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, warps = config or _config(n, k)
+    early = pdl.dependent_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, res if res is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else x,
         n, k, weight.stride(0), float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=early, num_warps=warps, launch_pdl=early,
     )
     return out
 

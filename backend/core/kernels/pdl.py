@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (sm_90 and later) for the batch-1 decode chain.
+
+A decode step at one row is a chain of short kernels, each of which reads what the one
+before wrote; between two of them the GPU drains the first kernel's last programs (the
+tail, with most SMs idle) and only then starts the next one's (the ramp, with no bytes
+in flight yet). With programmatic dependent launch, a kernel launched with the
+attribute may start as soon as every program of the kernel before it has signalled
+(``gdc_launch_dependents``) or ended. Its programs then request what no kernel writes
+(the layer's weights) and wait (``gdc_wait``) for the previous kernel to end and its
+writes to become visible before they read an activation or write anything. The weight
+stream of the next projection then covers the previous kernel's tail. A CUDA graph keeps
+the launch attribute. A kernel launched normally after one with the attribute waits for
+it in full, as before.
+
+Launched this way on sm_90: the matrix-vector products (``gemv.py``, ``fp8_gemv.py``'s
+one-program-a-tile kernel) and both decode attention stages. On an H100 the 8B shape's
+batch-1 step went 3.559 -> 3.490 ms with FP8 weights and 5.517 -> 5.468 ms in bf16
+(docs/benchmarks/fp8.md).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.lru_cache(maxsize=None)
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` use programmatic dependent launch: NVIDIA devices of
+    compute capability 9 and later (the ``griddepcontrol`` instructions need sm_90; a
+    ROCm build also names its devices "cuda", with capabilities of its own)."""
+    device = torch.device(device)
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+@triton.jit
+def await_previous_kernel():
+    """Wait for the kernel before to end and its writes to be visible (every read of an
+    activation, and every write, must come after this), then let the next kernel start
+    its programs (it waits in the same way before it reads what this one writes)."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(W, rn, N, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """Ask L2 for the 128-byte lines of the program's first weight chunk (rows past N and
+    columns past the slice clamped onto its last ones): a hint with no result, so the
+    chunk loop's first loads find it there."""
+    lines = tl.minimum(k_lo + tl.arange(0, BLOCK_K // 128) * 128, k_hi - 1)
+    rows = tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l",
+                              [W + rows[:, None] + lines[None, :]], dtype=tl.int32,
+                              is_pure=False, pack=1)
