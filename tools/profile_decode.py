@@ -1,7 +1,7 @@
 """Where a decode step's time goes, overlap scheduling on and off, on a CUDA GPU.
 
     python tools/profile_decode.py --model /tmp/shapes/llama-8b [--batch 1 32] [--out DIR]
-        [--quantization fp8] [--overlap on]
+        [--quantization fp8] [--overlap on] [--prompt-len 1056 --shared-prefix 1024]
 
 For each setting (overlap off, overlap on) and batch size: steady greedy decode, then
   * wall ms per step over 100 steps;
@@ -55,8 +55,16 @@ def busy_us(events) -> float:
     return total
 
 
-def fill(eng: Engine, batch: int, n_in: int) -> list[str]:
-    rids = [eng.add_request([100 + (i * 7 + j) % 1000 for j in range(n_in)],
+def fill(eng: Engine, batch: int, n_in: int, shared: int = 0) -> list[str]:
+    """``batch`` greedy requests of ``n_in`` prompt tokens, decoding: distinct prompts, or
+    with ``shared`` > 0 the same first ``shared`` tokens (cached first by one request, as
+    the few-shot workload's untimed pass does), so that their KV slots are shared."""
+    prefix = [1000 + j % 1000 for j in range(shared)]
+    if shared:
+        eng.add_request(prefix + [7], SamplingParams(max_new_tokens=1, temperature=0.0))
+        while eng.has_work():
+            eng.step()
+    rids = [eng.add_request(prefix + [100 + (i * 7 + j) % 1000 for j in range(n_in - shared)],
                             SamplingParams(max_new_tokens=4096, temperature=0.0, ignore_eos=True))
             for i in range(batch)]
     for _ in range(30):
@@ -136,8 +144,8 @@ def run_wrapped(eng: Engine, wrapped_launch, steps: int) -> None:
         fs.launch = launch
 
 
-def profile_one(eng: Engine, batch: int, n_in: int, report: list[str]) -> dict:
-    rids = fill(eng, batch, n_in)
+def profile_one(eng: Engine, batch: int, n_in: int, report: list[str], shared: int = 0) -> dict:
+    rids = fill(eng, batch, n_in, shared)
     gaps = device_gaps(eng, 60) if DEVICE == "cuda" else {}
     if DEVICE == "cuda":
         gaps["launch_sync_sites"] = launch_syncs(eng, 10)
@@ -168,7 +176,8 @@ def profile_one(eng: Engine, batch: int, n_in: int, report: list[str]) -> dict:
     buf = io.StringIO()
     pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(16)
     drain(eng, rids)
-    res = {"batch": batch, "wall_ms_per_step": round(wall_ms, 3),
+    res = {"batch": batch, "prompt_len": n_in, "shared_prefix": shared,
+           "wall_ms_per_step": round(wall_ms, 3),
            "profiled_wall_ms_per_step": round(prof_wall_ms, 3),
            "device_busy_ms_per_step": round(busy_ms, 3),
            "device_idle_fraction": round(max(0.0, 1 - busy_ms / prof_wall_ms), 3), **gaps}
@@ -187,7 +196,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--quantization", default="none", help="EngineConfig.quantization (fp8, ...)")
     ap.add_argument("--overlap", choices=("off", "on", "both"), default="both")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="the first N prompt tokens the same for every request (their KV "
+                         "shared through the radix cache, as in the few-shot workload)")
     args = ap.parse_args()
+    assert 0 <= args.shared_prefix < args.prompt_len, "--shared-prefix must be below --prompt-len"
     global DEVICE
     DEVICE = args.device
     results, report = [], []
@@ -199,7 +212,7 @@ def main() -> None:
                                   max_running_requests=256, max_prefill_tokens=8192,
                                   enable_overlap=overlap, quantization=args.quantization))
         for b in args.batch:
-            r = profile_one(eng, b, args.prompt_len, report)
+            r = profile_one(eng, b, args.prompt_len, report, args.shared_prefix)
             r["overlap"] = overlap
             r["quantization"] = args.quantization
             results.append(r)
