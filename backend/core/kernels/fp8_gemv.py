@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl as pdl_launch
+from . import pdl
 from .fp8_gemv_stream import _fp8_gemv_stream_kernel, _store_out, programs_for
 from .fp8_gemv_tiles import H200_SMS, GemvTiles, choose_tiles, k_slice
 from .gemv import _input_chunk, _normalise
@@ -209,7 +209,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
             res_out=None, config=None, counters=None):
     n, k = weight.shape
     rows = x.shape[0]
-    pdl = pdl_launch.dependent_launch(x.device)
+    early = pdl.dependent_launch(x.device)
     assert 0 < rows <= MAX_ROWS, f"{rows} rows: the FP8 matrix-vector products take 1..{MAX_ROWS}"
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
     assert x.stride(-1) == 1, "K must be contiguous"
@@ -262,8 +262,8 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, SCALE_BLOCK=block or 0,
         ROWS=rows, ROWS_PAD=rows_pad, BLOCK_N=block_n, BLOCK_K=tiles.block_k, SPLIT=split,
         WHOLE_ROW=tiles.block_k >= k, STAGES=tiles.stages,
-        NORM_BLOCK=min(triton.next_power_of_2(k), 4096), PDL=pdl, num_warps=tiles.warps,
-        launch_pdl=pdl,
+        NORM_BLOCK=min(triton.next_power_of_2(k), 4096), PDL=early, num_warps=tiles.warps,
+        launch_pdl=early,
     )
     return out
 
