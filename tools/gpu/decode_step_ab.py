@@ -1,15 +1,15 @@
-"""One batch-1 decode setting of a model shape, timed through the engine (CUDA graphs,
-overlap on): the steady step time, to set settings side by side in one device call.
+"""One decode setting of a model shape at one batch size, timed through the engine
+(CUDA graphs, overlap on): the steady step time, to set settings side by side in one device call.
 
     python tools/gpu/decode_step_ab.py --model /tmp/shapes/llama-8b [--quantization fp8] \
-        [--no-dependent-launch] [--torch-argmax] [--label NAME]
+        [--batch 1] [--no-dependent-launch] [--torch-argmax] [--label NAME]
 
 Run one process per setting (a CUDA graph keeps what was launched when it was
 captured): ``--no-dependent-launch`` captures every kernel without programmatic
 dependent launch (``kernels/pdl.py``), ``--torch-argmax`` takes greedy tokens from
 ``logits.argmax`` instead of ``sampling.argmax_rows``. Prints one ``RESULT {json}`` line:
-the median step of ``--runs`` runs (each a fresh prompt of 32 tokens and 256 new
-tokens, after one untimed run). docs/benchmarks/fp8.md reports what it measured.
+the median step of ``--runs`` runs (each ``--batch`` fresh prompts of 32 tokens and 256
+new tokens, after one untimed run). docs/benchmarks/fp8.md reports what it measured.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="EngineConfig.quantization")
     ap.add_argument("--no-dependent-launch", action="store_true")
     ap.add_argument("--torch-argmax", action="store_true")
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--label", default="")
@@ -48,26 +49,29 @@ def main() -> None:
 
     engine = Engine(EngineConfig(
         model_path=args.model, device="cuda", dtype="bfloat16", load_format="dummy",
-        quantization=args.quantization, max_total_tokens=16384, max_running_requests=8,
-        cuda_graph_max_batch=1, enable_cuda_graph=True, enable_overlap=True))
+        quantization=args.quantization, max_total_tokens=max(16384, 512 * args.batch),
+        max_running_requests=max(8, args.batch), cuda_graph_max_batch=args.batch,
+        enable_cuda_graph=True, enable_overlap=True))
     steps = []
     for run in range(args.runs + 1):
         bench_engine.reset_cache(engine)
         step_log: list = []
         torch.cuda.synchronize()
-        bench_engine.drive(engine, [0.0], common.random_prompts(1, 32, common.hash_seed("ab", run)),
+        prompts = common.random_prompts(args.batch, 32, common.hash_seed("ab", run))
+        bench_engine.drive(engine, [0.0] * args.batch, prompts,
                            bench_engine.greedy(SamplingParams, args.new_tokens),
                            step_log=step_log)
         if run:  # the first run compiles and warms up
-            steps.append(bench_engine.steady_decode(step_log, 1, 32)["step_s_median"] * 1e3)
+            steady = bench_engine.steady_decode(step_log, args.batch, 32)
+            steps.append(steady["step_s_median"] * 1e3)
     steps.sort()
     median = steps[len(steps) // 2]
     print("RESULT " + json.dumps({
-        "label": args.label, "quantization": args.quantization,
+        "label": args.label, "quantization": args.quantization, "batch": args.batch,
         "dependent_launch": not args.no_dependent_launch,
         "argmax": "torch" if args.torch_argmax else "argmax_rows",
         "step_ms": [round(s, 4) for s in steps], "median_ms": round(median, 4),
-        "tok_s": round(1e3 / median, 1), "gpu": torch.cuda.get_device_name()}), flush=True)
+        "tok_s": round(args.batch * 1e3 / median, 1), "gpu": torch.cuda.get_device_name()}), flush=True)
 
 
 if __name__ == "__main__":
