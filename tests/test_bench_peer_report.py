@@ -109,7 +109,10 @@ def test_published_lines_keep_their_run_id_and_the_vllm_version(tmp_path):
     name, recs = publish.load_run(path)
     assert {r["run_id"] for r in recs} == {"20261203-060000"}
     (t,) = report_peer.peer_tables([dict(r, _run=name) for r in recs])
-    assert (t.run, t.vllm_version) == ("20261203-060000", "0.26.0")
+    assert (t.run, t.vllm_version, t.gpu) == ("20261203-060000", "0.26.0", "NVIDIA H200")
+    # the heading names the GPU: runs on other GPUs than the rest of the page share it
+    page = report_peer.peer_section([dict(r, _run=name) for r in recs])
+    assert "### llama-1b, bf16 (run 20261203-060000, vLLM 0.26.0, NVIDIA H200)" in page
 
 
 def test_lines_published_before_run_ids_pair_by_their_published_file():

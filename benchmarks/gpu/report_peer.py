@@ -51,6 +51,7 @@ class PeerTable:
     run: str
     vllm_version: str | None
     rows: list[PeerRow]
+    gpu: str | None = None  # from the run's startup lines: runs on other GPUs share the page
 
 
 def _tok_per_s(rec: dict | None) -> float | None:
@@ -89,7 +90,10 @@ def peer_tables(lines: list[dict]) -> list[PeerTable]:
         version = next((rec["metrics"].get("vllm_version") for (ru, s, mo, c, md, w), rec
                         in latest.items() if (ru, s, mo, md) == (run, "vllm", model, "startup")
                         and rec["metrics"].get("vllm_version")), None)
-        tables.append(PeerTable(model, precision, run, version, rows))
+        gpu = next((rec["metrics"].get("gpu") for (ru, s, mo, c, md, w), rec in latest.items()
+                    if (ru, mo, md) == (run, model, "startup") and rec["metrics"].get("gpu")),
+                   None)
+        tables.append(PeerTable(model, precision, run, version, rows, gpu))
     return tables
 
 
@@ -142,8 +146,10 @@ def peer_section(lines: list[dict]) -> str:
              "that run (the one named). Every ratio divides two numbers of the run named in "
              "the heading; none mixes runs.\n"]
     for t in tables:
-        head = f"### {t.model}, {PRECISION_LABELS.get(t.precision, t.precision)} (run {t.run}"
-        parts.append(head + (f", vLLM {t.vllm_version})\n" if t.vllm_version else ")\n"))
+        about = [f"run {t.run}"] + [f"vLLM {t.vllm_version}"] * bool(t.vllm_version) \
+            + [t.gpu] * bool(t.gpu)
+        parts.append(f"### {t.model}, {PRECISION_LABELS.get(t.precision, t.precision)} "
+                     f"({', '.join(about)})\n")
         rows = [[r.label, fmt(r.vllm), r.vllm_config or "—", f"**{fmt(r.ours)}**",
                  times(r.ours, r.vllm), fmt(r.triton), times(r.triton, r.vllm),
                  share(r.triton, r.ours)] for r in t.rows]
