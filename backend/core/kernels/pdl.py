@@ -48,9 +48,11 @@ def await_previous_kernel():
 @triton.jit
 def prefetch_to_l2(W, rn, N, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    """Ask L2 for the 128-byte lines of the program's first weight chunk (rows past N and
-    columns past the slice clamped onto its last ones): a hint with no result, so the
-    chunk loop's first loads find it there."""
+    """Ask L2 for the program's first weight chunk, one address every 128 columns (rows
+    past N and columns past the slice clamped onto its last ones): a hint with no result,
+    so the chunk loop's first loads find it there. For float8 that is every 128-byte line
+    of the chunk; for bf16 every other line (as measured; a line count by element size
+    is the next step)."""
     lines = tl.minimum(k_lo + tl.arange(0, BLOCK_K // 128) * 128, k_hi - 1)
     rows = tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l",
