@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cache_optimum import optimal_hits  # noqa: E402
+from cache_optimum import hit_upper_bound  # noqa: E402
 from cache_replay import HOST_RATIO, replay  # noqa: E402
 from cache_traces import Trace, multi_turn  # noqa: E402
 
@@ -119,7 +119,7 @@ def bound(name: str, knows_ends: bool = False) -> list[dict]:
     law = ThinkLaw(cv)
     rows = []
     for host_tokens in (0, HOST_RATIO * trace.capacity):
-        best = sum(optimal_hits(trace.requests, trace.capacity + host_tokens))
+        best = sum(hit_upper_bound(trace.requests, trace.capacity + host_tokens))
         policy = InformedPolicy(trace, system_len, turns, law, knows_ends)
         res = replay(trace.requests, trace.capacity, policy, host_tokens,
                      before_each=policy.before_request)

@@ -12,14 +12,17 @@ The model (the same one ``cache_replay.py`` drives the real cache with):
   r's path must be in the cache at once (the request's KV lives in the same pool), so
   other tokens are evicted to make room; r's tokens may be evicted as soon as it is done.
 
-Optimum: evict the cached token whose next *use* (the next request in whose ``P[:-1]`` it
-lies) is farthest away, never-used-again first. Tokens are unit-size pages and every
-policy must hold the current request's tokens, so this is Belady's farthest-in-future
-rule, which is optimal for demand paging of unit pages; the prefix constraint costs it
-nothing, because a token is never used later than the tokens before it (a request that
-uses it uses them), so the farthest token is always at a leaf of the cached tree. The
-exchange argument is not redone here: ``tests/test_cache_replay.py`` checks the result
-against an exhaustive search over every eviction choice on small random traces.
+Optimum: evict the cached token whose next *use* is farthest away, never-used-again
+first. A use is the next request whose path holds the token, if the token lies in that
+request's ``P[:-1]``; if it lies beyond (the request's last prompt token or its output),
+that request writes the token again for free, so keeping it until then is worth nothing
+and it counts as never used (the write-without-fetch case of paging). Tokens are
+unit-size pages and every policy must hold the current request's tokens, so this is
+Belady's farthest-in-future rule. Prefix closure only lets leaves of the cached tree go;
+the rule picks the leaf used farthest ahead, and an inner token is worth at least as
+much as its most valuable cached descendant, whose hit needs it. The exchange argument
+is not redone here: ``tests/test_cache_replay.py`` checks the result against an
+exhaustive search over every eviction choice on small random traces.
 
 With a host tier of H tokens besides a device tier of C, any set of C + H cached tokens
 that contains the current path can be held by the two tiers together, so the optimum of
@@ -133,29 +136,41 @@ class _Segments:
 class Optimum:
     """Farthest-in-future replay of a trace; ``hits[r]`` is request r's cached tokens."""
 
-    def __init__(self, trace: list[TraceRequest], capacity: int) -> None:
+    def __init__(self, trace: list[TraceRequest], capacity: int,
+                 prefix_closed: bool = True) -> None:
         self.trace = trace
         self.capacity = capacity
+        self.prefix_closed = prefix_closed
         index = _Segments()
         for r in trace:
             index.add(r.path, r.hit_limit)
         self.segs = index.segs
         self.paths = [index.walk(r.path) for r in trace]
-        # eligible prefix of each path: the segments inside P[:-1]
-        self.uses: list[list[int]] = [[] for _ in self.segs]
+        # every request whose path holds a segment, and whether it may hit it there (the
+        # segments inside P[:-1]); ``eligible[t]`` counts request t's hit-able segments
+        self.occurs: list[list[int]] = [[] for _ in self.segs]
+        self.hit_able: list[set[int]] = [set() for _ in self.segs]
         self.eligible: list[int] = []
         for t, (r, path) in enumerate(zip(trace, self.paths)):
             k = depth = 0
             while k < len(path) and depth + len(self.segs[path[k]].tokens) <= r.hit_limit:
                 depth += len(self.segs[path[k]].tokens)
-                self.uses[path[k]].append(t)
+                self.hit_able[path[k]].add(t)
                 k += 1
             self.eligible.append(k)
+            for s in path:
+                self.occurs[s].append(t)
 
     def next_use(self, seg: int, t: int) -> float:
-        uses = self.uses[seg]
-        i = bisect.bisect_right(uses, t)
-        return uses[i] if i < len(uses) else NEVER
+        """When keeping ``seg`` next pays: the next request whose path holds it, if that
+        request may hit it. If it may not (the segment is its last prompt token or output)
+        that request writes the segment again anyway, so keeping it until then is worth
+        nothing: the same as never being used."""
+        occurs = self.occurs[seg]
+        i = bisect.bisect_right(occurs, t)
+        if i < len(occurs) and occurs[i] in self.hit_able[seg]:
+            return occurs[i]
+        return NEVER
 
     def run(self) -> list[int]:
         segs = self.segs
@@ -169,7 +184,7 @@ class Optimum:
             for k in range(self.eligible[t]):
                 s = path[k]
                 hit += cached[s]
-                if cached[s] < len(segs[s].tokens):
+                if self.prefix_closed and cached[s] < len(segs[s].tokens):
                     break
             hits.append(hit)
             need = sum(len(segs[s].tokens) - cached[s] for s in path)
@@ -177,13 +192,15 @@ class Optimum:
                 used -= self._evict(need - (self.capacity - used), set(path), t, cached,
                                     cached_kids, heap)
             for s in path:
-                if cached[s] == 0 and segs[s].parent >= 0:
+                if cached[s] == 0 and segs[s].parent >= 0 and self.prefix_closed:
                     cached_kids[segs[s].parent] += 1
                 used += len(segs[s].tokens) - cached[s]
                 cached[s] = len(segs[s].tokens)
-            leaf = path[-1]  # the path's other segments have a cached child on the path
-            if cached_kids[leaf] == 0:
-                heapq.heappush(heap, (-self.next_use(leaf, t), -segs[leaf].depth, leaf))
+            # closed: only the path's leaf may go (its other segments have a cached child
+            # on the path); relaxed: any of them
+            for s in (path[-1:] if self.prefix_closed else path):
+                if cached_kids[s] == 0:
+                    heapq.heappush(heap, (-self.next_use(s, t), -segs[s].depth, s))
         return hits
 
     def _evict(self, amount: int, pinned: set[int], t: int, cached, cached_kids, heap) -> int:
@@ -204,7 +221,7 @@ class Optimum:
                 heapq.heappush(heap, (neg_next, neg_depth, s))
                 continue
             parent = segs[s].parent
-            if parent >= 0:
+            if parent >= 0 and self.prefix_closed:
                 cached_kids[parent] -= 1
                 if cached_kids[parent] == 0 and parent not in pinned:
                     heapq.heappush(heap, (-self.next_use(parent, t), -segs[parent].depth,
@@ -213,5 +230,13 @@ class Optimum:
 
 
 def optimal_hits(trace: list[TraceRequest], capacity: int) -> list[int]:
-    """Tokens the optimum serves from the cache, per request."""
+    """Tokens the farthest-in-future schedule serves from the cache, per request: a
+    schedule any cache could follow, so at most the optimum."""
     return Optimum(trace, capacity).run()
+
+
+def hit_upper_bound(trace: list[TraceRequest], capacity: int) -> list[int]:
+    """Per request, tokens served by the optimum of the relaxed cache that may hold a
+    token without the tokens before it and hits every cached token of ``P[:-1]``: plain
+    paging with unit pages, where farthest-in-future is exact, so at least the optimum."""
+    return Optimum(trace, capacity, prefix_closed=False).run()
