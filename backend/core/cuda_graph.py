@@ -19,7 +19,11 @@ Each size is captured once per length class of the attention backend
 bound on the longest row, which is all a decode launch may size itself by. A replay
 takes the first class whose bound holds the batch's longest row (with the Triton
 backend at large batch: rows up to 512 positions get a one-pass grid, longer ones the
-split grid).
+split grid). Where the backend attends to a prefix that all rows share once for the batch
+(cascade attention, from ``cascade_min_prefix`` tokens on), each size and class is also
+captured with that bound as the static batch's shared prefix; a replay takes that graph
+when the batch shares at least as much, and copies the real length into the graph's
+one-element buffer.
 
 The graph ends at the final norm and the LM head runs outside it on the real rows only,
 so no [B, vocab] buffer is kept per captured size. At batch 1 with the fused
@@ -128,13 +132,18 @@ class CudaGraphRunner:
          self.seq_lens) = self.inputs.unbind(0)
         self.ones = torch.ones(n, **i64)
         self.arange = torch.arange(n + 1, **i64)
+        self.shared_prefix = torch.zeros(1, **i64)  # the real shared prefix of a replay
         # per size, the attention's row-length classes (each a bound on the longest row)
         self.len_classes = {size: attn.decode_len_classes(size, req_to_token.shape[1])
                             for size in self.sizes}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        # per (size, class): the model's logits_input (final hidden states, or at batch 1
-        # with the fused kernels the stream before the norm)
-        self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        # per size, the shared prefix from which the attention runs cascaded (0: never)
+        self.cascade = {size: attn.cascade_min_prefix(size) for size in self.sizes}
+        # keyed (size, row-length class, shared prefix class: 0 or cascade[size])
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        # per key: the model's logits_input (final hidden states, or at batch 1 with the
+        # fused kernels the stream before the norm)
+        self.outputs: dict[tuple[int, int, int],
+                           torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -147,7 +156,7 @@ class CudaGraphRunner:
         # differ (prompt logprobs of a one-token prompt, say) runs eagerly
         return batch.is_decode and batch.all_rows and 0 < batch.batch_size <= self.max_batch_size
 
-    def _static_batch(self, size: int, max_seq_len: int) -> ForwardBatch:
+    def _static_batch(self, size: int, max_seq_len: int, shared: int = 0) -> ForwardBatch:
         seq_lens = self.seq_lens[:size]
         return ForwardBatch(
             input_ids=self.input_ids[:size], positions=self.positions[:size],
@@ -158,7 +167,8 @@ class CudaGraphRunner:
             # host lists only size the launches (a bound on the lengths: the length
             # class's); decode kernels take the lengths from the device
             seq_lens_cpu=[max_seq_len] * size, extend_prefix_lens_cpu=[0] * size,
-            extend_seq_lens_cpu=[1] * size, is_decode=True, all_rows=True)
+            extend_seq_lens_cpu=[1] * size, is_decode=True, all_rows=True,
+            shared_prefix_len_cpu=shared, shared_prefix_len=self.shared_prefix)
 
     def _run(self, batch: ForwardBatch):
         self.req_to_token[batch.req_pool_indices, batch.positions] = batch.out_cache_loc.to(torch.int32)
@@ -171,10 +181,15 @@ class CudaGraphRunner:
         with _side_stream() as stream:
             for size in reversed(self.sizes):  # largest first: later ones reuse its pool
                 for bound in reversed(self.len_classes[size]):
-                    self.graphs[size, bound], self.outputs[size, bound] = _capture(
-                        self._run, self._static_batch(size, bound), self.pool, stream)
-        logger.info("captured CUDA graphs for decode batch sizes %s (row-length classes %s)",
-                    self.sizes, sorted({c for cs in self.len_classes.values() for c in cs}))
+                    for shared in {0, self.cascade[size]}:
+                        key = size, bound, shared
+                        self.graphs[key], self.outputs[key] = _capture(
+                            self._run, self._static_batch(size, bound, shared), self.pool,
+                            stream)
+        logger.info("captured CUDA graphs for decode batch sizes %s (row-length classes %s; "
+                    "cascaded from a shared prefix of %s)", self.sizes,
+                    sorted({c for cs in self.len_classes.values() for c in cs}),
+                    sorted({c for c in self.cascade.values() if c}) or "never")
 
     def replay(self, batch: ForwardBatch):
         """What ``compute_logits`` takes, for the batch's rows."""
@@ -191,7 +206,13 @@ class CudaGraphRunner:
         if size > b:
             self.inputs[:, b:size].zero_()
         classes = self.len_classes[size]
-        key = size, classes[min(bisect.bisect_left(classes, batch.max_seq_len), len(classes) - 1)]
+        bound = classes[min(bisect.bisect_left(classes, batch.max_seq_len), len(classes) - 1)]
+        shared = self.cascade[size]
+        if shared and batch.shared_prefix_len_cpu >= shared and batch.shared_prefix_len is not None:
+            self.shared_prefix.copy_(batch.shared_prefix_len)
+        else:
+            shared = 0
+        key = size, bound, shared
         self.graphs[key].replay()
         out = self.outputs[key]
         return out[:b] if isinstance(out, torch.Tensor) else (out[0][:b], out[1][:b])

@@ -69,13 +69,16 @@ class BatchSpec:
     extend_seq_lens: list[int] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
     num_placeholders: int = 0
+    # decode only: leading positions whose KV slots are the same in every row (a prefix
+    # the rows share in the radix cache), each row's new token excluded; 0 for none
+    shared_prefix_len: int = 0
 
     def build(self, device: "HostToDevice | str | torch.device") -> "ForwardBatch":
         if self.decode:
             return ForwardBatch.build_decode(
                 input_ids=self.input_ids, req_pool_indices=self.req_pool_indices,
                 positions=self.positions, out_cache_loc=self.out_cache_loc, device=device,
-                num_placeholders=self.num_placeholders)
+                num_placeholders=self.num_placeholders, shared_prefix_len=self.shared_prefix_len)
         return ForwardBatch.build(
             input_ids=self.input_ids, req_pool_indices=self.req_pool_indices,
             extend_prefix_lens=self.extend_prefix_lens, extend_seq_lens=self.extend_seq_lens,
@@ -106,6 +109,12 @@ class ForwardBatch:
     # input ids that are placeholders for tokens the previous step sampled on the device
     # (overlap scheduling; forward_step.py resolves them before the forward)
     num_placeholders: int = 0
+    # Positions 0..L-1 hold the same pool slots in every real row (decode batches whose
+    # requests share a cached prefix). On the host it may be a bound (a CUDA graph's
+    # static batch holds its class's) and only decides how to launch; the device value
+    # (int64 [1]) is the real L, which kernels read.
+    shared_prefix_len_cpu: int = 0
+    shared_prefix_len: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -174,27 +183,31 @@ class ForwardBatch:
     def build_decode(cls, *, input_ids: list[int], req_pool_indices: list[int],
                      positions: list[int], out_cache_loc: list[int],
                      device: HostToDevice | str | torch.device,
-                     num_placeholders: int = 0) -> "ForwardBatch":
+                     num_placeholders: int = 0, shared_prefix_len: int = 0) -> "ForwardBatch":
         """``build`` for a batch of one new token per request (token i at ``positions[i]``,
-        its logits wanted), without per-request loops."""
+        its logits wanted), without per-request loops. ``shared_prefix_len``: see
+        ``BatchSpec``."""
         b = len(input_ids)
         indptr = list(range(b + 1))
         return cls._assemble(input_ids, positions, out_cache_loc, req_pool_indices,
                              [p + 1 for p in positions], positions, [1] * b, indptr,
-                             indptr[:b], device, True, True, num_placeholders)
+                             indptr[:b], device, True, True, num_placeholders,
+                             shared_prefix_len)
 
     @classmethod
     def _assemble(cls, input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
                   extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices, device,
-                  is_decode, all_rows, num_placeholders) -> "ForwardBatch":
+                  is_decode, all_rows, num_placeholders,
+                  shared_prefix_len: int = 0) -> "ForwardBatch":
         """The one flat layout (``_pack``): the views ``decode_inputs``, ``token_inputs``
         and ``request_inputs`` rely on this order of the parts."""
         flat, v = _pack([input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
-                         extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices],
-                        device)
+                         extend_prefix_lens, extend_seq_lens, qo_indptr, logits_indices,
+                         [shared_prefix_len]], device)
         return cls(
             input_ids=v[0], positions=v[1], out_cache_loc=v[2], req_pool_indices=v[3],
             seq_lens=v[4], extend_prefix_lens=v[5], extend_seq_lens=v[6], qo_indptr=v[7],
             logits_indices=v[8], seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=extend_prefix_lens,
             extend_seq_lens_cpu=extend_seq_lens, is_decode=is_decode, flat=flat,
-            all_rows=all_rows, num_placeholders=num_placeholders)
+            all_rows=all_rows, num_placeholders=num_placeholders,
+            shared_prefix_len_cpu=shared_prefix_len, shared_prefix_len=v[9])

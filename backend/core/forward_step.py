@@ -28,6 +28,7 @@ from .parallel.protocol import RankStep
 from .request import Req
 from .sampling import SampleResult, SamplingRow, argmax_rows, sample
 from .schedule_plan import ScheduledItem, SchedulePlan
+from .shared_prefix import SharedPrefixTracker
 
 
 def placeholder(row: int) -> int:
@@ -118,6 +119,7 @@ class ForwardStep:
         self.grammar = grammar
         self.to_device = runner.to_device
         self.last_tokens: torch.Tensor | None = None  # device tokens of the last launch
+        self.shared_prefix = SharedPrefixTracker()
         self._generators: weakref.WeakKeyDictionary[Req, torch.Generator] = \
             weakref.WeakKeyDictionary()
 
@@ -199,7 +201,9 @@ class ForwardStep:
             locs.append(it.new_slots[0])
         return BatchSpec(decode=True, input_ids=input_ids, req_pool_indices=rows,
                          out_cache_loc=locs, positions=positions,
-                         num_placeholders=placeholders)
+                         num_placeholders=placeholders,
+                         shared_prefix_len=self.shared_prefix.shared_len(
+                             [it.req for it in items], positions))
 
     def _prompt_logprobs(self, logits: torch.Tensor, rows: list[PromptRow]) -> tuple:
         """Each prompt row's token logprob and rank, and the best alternatives when a

@@ -39,6 +39,13 @@ class AttentionBackend(ABC):
         longest row is within it."""
         return [max_seq_len]
 
+    def cascade_min_prefix(self, batch_size: int) -> int:
+        """The shortest shared prefix (``ForwardBatch.shared_prefix_len_cpu``) from which a
+        decode batch of this size attends to it once for all rows (cascade attention);
+        0 when this backend never does. A CUDA graph captured with this bound as the
+        batch's shared prefix serves any batch sharing at least that much."""
+        return 0
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float, *, window: int = 0,
