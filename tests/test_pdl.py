@@ -11,7 +11,10 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from backend.core.kernels.pdl import prefetch_to_l2
 from sm90_compile import compile_for_h200
 
 
@@ -105,3 +108,39 @@ def test_the_decode_attention_stages_wait_before_anything_else(stage):
     before, after = _before_and_after_wait(_stage_ptx(stage, pdl=True))
     assert "ld.global" not in before and "st.global" not in before
     assert "ld.global" in after and "st.global" in after
+
+
+
+def _ptx(kernel, pointers: dict, scalars: dict, consts: dict, warps: int, pdl: bool,
+         aligned: tuple[str, ...] = (), **options) -> str:
+    """``kernel`` compiled for sm_90 with ``consts`` and PDL=pdl (launched early or not);
+    the pointers and the ``aligned`` scalars 16-divisible, as the 8B shape's are."""
+    consts = {**consts, "PDL": pdl}
+    signature = {**pointers, **scalars, **dict.fromkeys(consts, "constexpr")}
+    return compile_for_h200(kernel, signature, consts, list(pointers) + list(aligned),
+                            num_warps=warps, launch_pdl=pdl, **options).ptx
+
+
+@triton.jit
+def _prefetch_only(W, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    prefetch_to_l2(W, rn, N, 0, K, stride_wn, BLOCK_N, BLOCK_K)
+
+
+@pytest.mark.parametrize("dtype, block_n, block_k, warps, per_thread", [
+    ("fp8e4nv", 64, 256, 4, 1),  # 64 rows x 2 lines = 128 addresses, 128 threads
+    ("bf16", 64, 256, 4, 2),     # 64 rows x 4 lines
+    ("fp8e4nv", 64, 512, 4, 2),  # 64 rows x 4 lines
+    ("bf16", 64, 512, 4, 4),     # 64 rows x 8 lines
+    ("bf16", 16, 32, 1, 1),      # half a line: still one address a row (16 for 32 threads)
+])
+def test_a_prefetched_chunk_is_asked_for_once_per_128_byte_line(dtype, block_n, block_k,
+                                                                 warps, per_thread):
+    """A line is 128 float8 or 64 bf16 columns: a chunk of BLOCK_K columns is
+    max(BLOCK_K // line, 1) addresses a row, spread over the program's threads (each
+    thread issues its share; a chunk with fewer addresses than threads repeats some)."""
+    ptx = _ptx(_prefetch_only, {"W": "*" + dtype}, {"N": "i32", "K": "i32", "stride_wn": "i32"},
+               dict(BLOCK_N=block_n, BLOCK_K=block_k), warps, pdl=False)
+    assert ptx.count("prefetch.global.L2") == per_thread
+
