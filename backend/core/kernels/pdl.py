@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (sm_90 and later) for the batch-1 decode chain.
+"""Programmatic dependent launch (sm_90 and later) for the decode chain.
 
 A decode step at one row is a chain of short kernels, each of which reads what the one
 before wrote; between two of them the GPU drains the first kernel's last programs (the
@@ -13,12 +13,16 @@ the launch attribute. A kernel launched normally after one with the attribute wa
 it in full, as before.
 
 Launched this way on sm_90: the matrix-vector products (``gemv.py``, ``fp8_gemv.py``'s
-one-program-a-tile kernel) and both decode attention stages. On an H100 the 8B shape's
-batch-1 step went 3.559 -> 3.490 ms with FP8 weights and 5.517 -> 5.468 ms in bf16
-(docs/benchmarks/fp8.md). The bf16 figure is to be re-measured: it was taken when
-``prefetch_to_l2`` asked for every other line of a bf16 chunk (the chunked bf16
-products, e.g. the down projection, now ask for every line). The FP8 figure used float8
-chunks only, whose prefetch is unchanged.
+one-program-a-tile kernel) and both decode attention stages; for the FP8 batched decode
+rows, the few-row GEMM (``fp8_small_gemm.py``, which prefetches the chunks its pipeline
+copies first) and the activation quantizers before it (``fp8_quant.per_token_quant``,
+``fp8_fused_quant``'s RMSNorm, which reads its weight before the wait, and SiLU-and-mul).
+On an H100 the 8B shape's batch-1 step went 3.559 -> 3.490 ms with FP8 weights and
+5.517 -> 5.468 ms in bf16 (docs/benchmarks/fp8.md). The bf16 figure is to be
+re-measured: it was taken when ``prefetch_to_l2`` asked for every other line of a bf16
+chunk (the chunked bf16 products, e.g. the down projection, now ask for every line).
+The FP8 figure used float8 chunks only, whose prefetch is unchanged. The batched rows'
+launches (32 to 128 rows) are not measured yet.
 """
 from __future__ import annotations
 
