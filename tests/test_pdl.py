@@ -11,7 +11,10 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from backend.core.kernels.pdl import prefetch_to_l2
 from sm90_compile import compile_for_h200
 
 
@@ -103,5 +106,122 @@ def test_the_decode_attention_stages_wait_before_anything_else(stage):
     plain = _stage_ptx(stage, pdl=False)
     assert "griddepcontrol" not in plain
     before, after = _before_and_after_wait(_stage_ptx(stage, pdl=True))
+    assert "ld.global" not in before and "st.global" not in before
+    assert "ld.global" in after and "st.global" in after
+
+
+
+def _ptx(kernel, pointers: dict, scalars: dict, consts: dict, warps: int, pdl: bool,
+         aligned: tuple[str, ...] = (), **options) -> str:
+    """``kernel`` compiled for sm_90 with ``consts`` and PDL=pdl (launched early or not);
+    the pointers and the ``aligned`` scalars 16-divisible, as the 8B shape's are."""
+    consts = {**consts, "PDL": pdl}
+    signature = {**pointers, **scalars, **dict.fromkeys(consts, "constexpr")}
+    return compile_for_h200(kernel, signature, consts, list(pointers) + list(aligned),
+                            num_warps=warps, launch_pdl=pdl, **options).ptx
+
+
+@triton.jit
+def _prefetch_only(W, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    prefetch_to_l2(W, rn, N, 0, K, stride_wn, BLOCK_N, BLOCK_K)
+
+
+@pytest.mark.parametrize("dtype, block_n, block_k, warps, per_thread", [
+    ("fp8e4nv", 64, 256, 4, 1),  # 64 rows x 2 lines = 128 addresses, 128 threads
+    ("bf16", 64, 256, 4, 2),     # 64 rows x 4 lines
+    ("fp8e4nv", 64, 512, 4, 2),  # 64 rows x 4 lines
+    ("bf16", 64, 512, 4, 4),     # 64 rows x 8 lines
+    ("bf16", 16, 32, 1, 1),      # half a line: still one address a row (16 for 32 threads)
+])
+def test_a_prefetched_chunk_is_asked_for_once_per_128_byte_line(dtype, block_n, block_k,
+                                                                 warps, per_thread):
+    """A line is 128 float8 or 64 bf16 columns: a chunk of BLOCK_K columns is
+    max(BLOCK_K // line, 1) addresses a row, spread over the program's threads (each
+    thread issues its share; a chunk with fewer addresses than threads repeats some)."""
+    ptx = _ptx(_prefetch_only, {"W": "*" + dtype}, {"N": "i32", "K": "i32", "stride_wn": "i32"},
+               dict(BLOCK_N=block_n, BLOCK_K=block_k), warps, pdl=False)
+    assert ptx.count("prefetch.global.L2") == per_thread
+
+
+def _small_gemm_ptx(block_m: int, even_k: bool, pdl: bool) -> tuple[str, object]:
+    from backend.core.kernels import fp8_small_gemm
+    t = fp8_small_gemm.SmallGemmTiles(block_m=block_m)
+    pointers = {"X": "*fp8e4nv", "XScale": "*fp32", "W": "*fp8e4nv", "WScale": "*fp32",
+                "Bias": "*bf16", "Y": "*bf16"}
+    scalars = dict.fromkeys(["M", "N", "K", "stride_x", "stride_w", "stride_y"], "i32")
+    consts = dict(HAS_BIAS=True, EVEN_K=even_k, BLOCK_N=t.block_n, BLOCK_M=t.block_m,
+                  BLOCK_K=t.block_k, STAGES=t.stages)
+    return _ptx(fp8_small_gemm._small_gemm_kernel, pointers, scalars, consts, t.warps, pdl,
+                ("K", "stride_x", "stride_w", "stride_y"), num_stages=t.stages), t
+
+
+@pytest.mark.parametrize("block_m, even_k", [(32, True), (64, True), (64, False)])
+def test_the_small_fp8_gemm_prefetches_its_weight_strip_then_waits(block_m, even_k):
+    """The batched decode product (32 to 128 rows): before the wait only L2 prefetches of
+    the STAGES - 1 weight chunks the pipeline copies first (float8: BLOCK_K / 128 lines
+    of each of BLOCK_N rows, over the program's threads); the activations, their scales
+    and every write come after it."""
+    plain, _ = _small_gemm_ptx(block_m, even_k, pdl=False)
+    assert "griddepcontrol" not in plain and "prefetch.global.L2" not in plain
+    ptx, t = _small_gemm_ptx(block_m, even_k, pdl=True)
+    before, after = _before_and_after_wait(ptx)
+    lines = (t.stages - 1) * t.block_n * (t.block_k // 128)
+    assert before.count("prefetch.global.L2") == lines // (32 * t.warps) == 4
+    assert "prefetch.global.L2" not in after
+    for access in ("ld.global", "cp.async", "st.global", "ld.shared", "st.shared"):
+        assert access not in before, access
+    assert "cp.async" in after and "st.global" in after
+
+
+def _rmsnorm_quant_ptx(residual: bool, pdl: bool) -> str:
+    from backend.core.kernels import fp8_fused_quant
+    pointers = {"X": "*bf16", "Res": "*bf16", "W": "*bf16", "ResOut": "*bf16",
+                "Q": "*fp8e4nv", "S": "*fp32"}
+    scalars = {**dict.fromkeys(["stride_x", "stride_r", "stride_ro", "stride_q", "N"], "i32"),
+               "eps": "fp32", "fp8_max": "fp32", "min_scale": "fp32"}
+    consts = dict(HAS_RESIDUAL=residual, BLOCK=4096)
+    return _ptx(fp8_fused_quant._rmsnorm_quant_kernel, pointers, scalars, consts,
+                fp8_fused_quant._norm_warps(4096), pdl, tuple(scalars)[:5])
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_fused_norm_and_quant_reads_only_its_weight_before_the_wait(residual):
+    """A 4096-wide bf16 row over 16 warps is one 16-byte load a thread per tensor: before
+    the wait only the norm's weight (one load); x, the residual, the new residual's
+    store and the float8 row come after it."""
+    assert "griddepcontrol" not in _rmsnorm_quant_ptx(residual, pdl=False)
+    before, after = _before_and_after_wait(_rmsnorm_quant_ptx(residual, pdl=True))
+    assert len(re.findall(r"ld\.global", before)) == 1
+    assert "st.global" not in before
+    # and that load's address is the weight's pointer (argument 2) plus the column
+    weight = re.search(r"ld\.param\.[bu]64\s+(%rd\d+), \[\w+_param_2\]", before).group(1)
+    address = re.search(r"ld\.global\.v4\.b32\s+\{[^}]*\}, \[ ?(%rd\d+)", before).group(1)
+    assert re.search(rf"add\.s64\s+{address}, {weight}, ", before)
+    assert len(re.findall(r"ld\.global\.v4", after)) == (2 if residual else 1)
+    assert "st.global" in after
+
+
+def _quant_ptx(kernel_name: str, pdl: bool) -> str:
+    from backend.core.kernels import fp8_fused_quant, fp8_quant
+    scalars = {"fp8_max": "fp32", "min_scale": "fp32"}
+    if kernel_name == "silu_mul_quant":
+        pointers = {"GateUp": "*bf16", "Q": "*fp8e4nv", "S": "*fp32"}
+        scalars = {**dict.fromkeys(["stride_g", "stride_q", "I"], "i32"), **scalars}
+        kernel, block, warps = fp8_fused_quant._silu_mul_quant_kernel, 16384, 16
+    else:
+        pointers = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32"}
+        scalars = {**dict.fromkeys(["stride_x", "stride_q", "K"], "i32"), **scalars}
+        kernel, block, warps = fp8_quant._per_token_quant_kernel, 4096, 4
+    return _ptx(kernel, pointers, scalars, dict(BLOCK=block), warps, pdl, tuple(scalars)[:3])
+
+
+@pytest.mark.parametrize("kernel_name", ["silu_mul_quant", "per_token_quant"])
+def test_the_activation_quantizers_wait_before_anything_else(kernel_name):
+    """SiLU-and-mul's and the attention output's quantization read only activations:
+    with the attribute, both wait before their first load or store."""
+    assert "griddepcontrol" not in _quant_ptx(kernel_name, pdl=False)
+    before, after = _before_and_after_wait(_quant_ptx(kernel_name, pdl=True))
     assert "ld.global" not in before and "st.global" not in before
     assert "ld.global" in after and "st.global" in after

@@ -21,8 +21,10 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from . import pdl
 from .fp8_quant import _quantize_row
 from .fused import _scaled
+from .pdl import await_previous_kernel
 
 # One program holds a whole row in registers: the norm's width up to 8192 (Llama up to
 # 70B), the SiLU-and-mul's two halves up to 16384 columns each (8B: 14336).
@@ -33,10 +35,14 @@ SILU_MAX_COLS = 16384
 @triton.jit
 def _rmsnorm_quant_kernel(X, Res, W, ResOut, Q, S, stride_x, stride_r, stride_ro, stride_q,
                           N, eps, fp8_max, min_scale,
-                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0)  # the norm's weight: no kernel writes it
+    if PDL:  # launched early (pdl.py): x and the residual are the previous kernel's
+        await_previous_kernel()
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(Res + row * stride_r + cols, mask=mask, other=0.0)
@@ -44,7 +50,6 @@ def _rmsnorm_quant_kernel(X, Res, W, ResOut, Q, S, stride_x, stride_r, stride_ro
         tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0)
     # the value RMSNorm would have stored: rounded to the model dtype
     y = _scaled(xf * rstd, w, X.dtype.element_ty, False).to(X.dtype.element_ty).to(tl.float32)
     _quantize_row(y, Q, S, row, stride_q, cols, mask, fp8_max, min_scale)
@@ -52,10 +57,12 @@ def _rmsnorm_quant_kernel(X, Res, W, ResOut, Q, S, stride_x, stride_r, stride_ro
 
 @triton.jit
 def _silu_mul_quant_kernel(GateUp, Q, S, stride_g, stride_q, I, fp8_max, min_scale,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < I
+    if PDL:  # launched early (pdl.py): gate_up is the previous kernel's
+        await_previous_kernel()
     g = tl.load(GateUp + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GateUp + row * stride_g + I + cols, mask=mask, other=0.0)
     dtype = u.dtype
@@ -102,11 +109,13 @@ def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
         residual = res_out = x  # unused: HAS_RESIDUAL=False compiles their accesses away
     if rows:
         block = triton.next_power_of_2(n)
+        early = pdl.dependent_launch(x.device)
         _rmsnorm_quant_kernel[(rows,)](
             x, residual, weight, res_out, q, scale,
             x.stride(0), residual.stride(0), res_out.stride(0), q.stride(0),
             n, float(eps), FP8_MAX, MIN_SCALE,
-            HAS_RESIDUAL=res_out is not x, BLOCK=block, num_warps=_norm_warps(block))
+            HAS_RESIDUAL=res_out is not x, BLOCK=block, PDL=early,
+            num_warps=_norm_warps(block), launch_pdl=early)
     return (q, scale), res_out
 
 
@@ -117,7 +126,9 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = _outputs(rows, inter, gate_up.device)
     if rows:
         block = triton.next_power_of_2(inter)
+        early = pdl.dependent_launch(gate_up.device)
         _silu_mul_quant_kernel[(rows,)](gate_up, q, scale, gate_up.stride(0), q.stride(0),
-                                        inter, FP8_MAX, MIN_SCALE, BLOCK=block,
-                                        num_warps=max(4, min(16, block // 1024)))
+                                        inter, FP8_MAX, MIN_SCALE, BLOCK=block, PDL=early,
+                                        num_warps=max(4, min(16, block // 1024)),
+                                        launch_pdl=early)
     return q, scale

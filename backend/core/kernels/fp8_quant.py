@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, to_fp8
+from . import pdl
+from .pdl import await_previous_kernel
 
 MAX_COLS = 32768
 
@@ -28,10 +30,12 @@ def _quantize_row(y, Q, S, row, stride_q, cols, mask, fp8_max, min_scale):
 
 @triton.jit
 def _per_token_quant_kernel(X, Q, S, stride_x, stride_q, K, fp8_max, min_scale,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
+    if PDL:  # launched early (pdl.py): x is the previous kernel's
+        await_previous_kernel()
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     _quantize_row(x, Q, S, row, stride_q, cols, mask, fp8_max, min_scale)
 
@@ -47,7 +51,9 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(cols)
+        early = pdl.dependent_launch(x.device)
         _per_token_quant_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), cols,
-                                         FP8_MAX, MIN_SCALE, BLOCK=block,
-                                         num_warps=4 if block <= 4096 else 16)
+                                         FP8_MAX, MIN_SCALE, BLOCK=block, PDL=early,
+                                         num_warps=4 if block <= 4096 else 16,
+                                         launch_pdl=early)
     return q, scale

@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import await_previous_kernel, prefetch_to_l2
+
 
 class SmallGemmTiles(NamedTuple):
     """One launch's tiling: BLOCK_N weight rows by BLOCK_M batch rows a program, K in
@@ -39,7 +42,8 @@ class SmallGemmTiles(NamedTuple):
 @triton.jit
 def _small_gemm_kernel(X, XScale, W, WScale, Bias, Y, M, N, K, stride_x, stride_w, stride_y,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       STAGES: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,6 +54,11 @@ def _small_gemm_kernel(X, XScale, W, WScale, Bias, Y, M, N, K, stride_x, stride_
     # rows past N or M read row 0 (in bounds) and are never stored: no mask in the loop
     w_ptrs = W + tl.where(nmask, rn, 0).to(tl.int64)[:, None] * stride_w + rk[None, :]
     x_ptrs = X + tl.where(mmask, rm, 0).to(tl.int64)[None, :] * stride_x + rk[:, None]
+    if PDL:  # launched early (pdl.py): the chunks the pipeline's prologue will copy go
+        # to L2 while the previous kernel ends; X and XScale are its output, read after
+        for s in tl.static_range(STAGES - 1):
+            prefetch_to_l2(W, rn, N, s * BLOCK_K, K, stride_w, BLOCK_N, BLOCK_K)
+        await_previous_kernel()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -95,11 +104,12 @@ def small_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
         return y
     t = tiles or choose_tiles(rows)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(rows, t.block_m))
+    early = pdl.dependent_launch(x.device)
     _small_gemm_kernel[grid](
         x, x_scale, weight, w_scale.reshape(-1),
         bias if bias is not None else w_scale, y, rows, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0,
-        BLOCK_N=t.block_n, BLOCK_M=t.block_m, BLOCK_K=t.block_k,
-        num_warps=t.warps, num_stages=t.stages)
+        BLOCK_N=t.block_n, BLOCK_M=t.block_m, BLOCK_K=t.block_k, STAGES=t.stages, PDL=early,
+        num_warps=t.warps, num_stages=t.stages, launch_pdl=early)
     return y

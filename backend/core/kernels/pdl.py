@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (sm_90 and later) for the batch-1 decode chain.
+"""Programmatic dependent launch (sm_90 and later) for the decode chain.
 
 A decode step at one row is a chain of short kernels, each of which reads what the one
 before wrote; between two of them the GPU drains the first kernel's last programs (the
@@ -13,9 +13,16 @@ the launch attribute. A kernel launched normally after one with the attribute wa
 it in full, as before.
 
 Launched this way on sm_90: the matrix-vector products (``gemv.py``, ``fp8_gemv.py``'s
-one-program-a-tile kernel) and both decode attention stages. On an H100 the 8B shape's
-batch-1 step went 3.559 -> 3.490 ms with FP8 weights and 5.517 -> 5.468 ms in bf16
-(docs/benchmarks/fp8.md).
+one-program-a-tile kernel) and both decode attention stages; for the FP8 batched decode
+rows, the few-row GEMM (``fp8_small_gemm.py``, which prefetches the chunks its pipeline
+copies first) and the activation quantizers before it (``fp8_quant.per_token_quant``,
+``fp8_fused_quant``'s RMSNorm, which reads its weight before the wait, and SiLU-and-mul).
+On an H100 the 8B shape's batch-1 step went 3.559 -> 3.490 ms with FP8 weights and
+5.517 -> 5.468 ms in bf16 (docs/benchmarks/fp8.md). The bf16 figure is to be
+re-measured: it was taken when ``prefetch_to_l2`` asked for every other line of a bf16
+chunk (the chunked bf16 products, e.g. the down projection, now ask for every line).
+The FP8 figure used float8 chunks only, whose prefetch is unchanged. The batched rows'
+launches (32 to 128 rows) are not measured yet.
 """
 from __future__ import annotations
 
@@ -48,12 +55,16 @@ def await_previous_kernel():
 @triton.jit
 def prefetch_to_l2(W, rn, N, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    """Ask L2 for the program's first weight chunk, one address every 128 columns (rows
-    past N and columns past the slice clamped onto its last ones): a hint with no result,
-    so the chunk loop's first loads find it there. For float8 that is every 128-byte line
-    of the chunk; for bf16 every other line (as measured; a line count by element size
-    is the next step)."""
-    lines = tl.minimum(k_lo + tl.arange(0, BLOCK_K // 128) * 128, k_hi - 1)
+    """Ask L2 for the chunk [k_lo, k_lo + BLOCK_K) of weight rows ``rn``: a hint with no
+    result, so the chunk loop's first loads find it there. One address per 128-byte L2
+    line, LINE = 1024 // bitwidth elements apart (128 for float8, 64 for bf16), so
+    max(BLOCK_K // LINE, 1) of them a row; rows past N and columns past k_hi are clamped
+    onto the last ones (a line asked twice costs an issue slot, nothing else). A chunk
+    that does not start on a line boundary spans one line more than it is asked for; the
+    loop's own loads bring that one."""
+    LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth
+    LINES: tl.constexpr = BLOCK_K // LINE if BLOCK_K >= LINE else 1
+    lines = tl.minimum(k_lo + tl.arange(0, LINES) * LINE, k_hi - 1)
     rows = tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l",
                               [W + rows[:, None] + lines[None, :]], dtype=tl.int32,
