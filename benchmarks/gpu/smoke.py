@@ -1,7 +1,7 @@
 """Engine smoke test for the GPU machine (run_all.sh check): CUDA-graph decode must give
 the same bf16 greedy tokens as eager decode.
 
-    python benchmarks/gpu/smoke.py --model /tmp/shapes/llama-1b [--out results.jsonl]
+    python benchmarks/gpu/smoke.py --model /tmp/shapes/llama-1b [--quantization fp8] [--out results.jsonl]
 
 Two engines in this process on the same random weights (same seed), one with
 ``enable_cuda_graph=True`` and one with False, both with a fixed 64k-token KV pool. Each
@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--quantization", default="none",
+                    help="EngineConfig.quantization of both engines (fp8: the W8A8 kernels in graphs)")
     ap.add_argument("--out", default=str(C.REPO / "benchmarks/gpu/results/local.jsonl"))
     args = ap.parse_args(argv)
     import dataclasses
@@ -50,12 +52,14 @@ def main(argv=None) -> int:
 
     on_cuda = args.device.startswith("cuda")
     label = C.model_label(args.model)
-    rec = C.Recorder(args.out, "engine", label, "smoke", {},
+    quant = {} if args.quantization == "none" else {"quantization": args.quantization}
+    rec = C.Recorder(args.out, "engine", label, "smoke", quant,
                      extra={"quick": not on_cuda, "device": args.device})
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     base = dict(model_path=args.model, device=args.device,
                 dtype=args.dtype or ("bfloat16" if on_cuda else "float32"), load_format="dummy",
-                max_total_tokens=65536, max_running_requests=72, enable_overlap=True)
+                max_total_tokens=65536, max_running_requests=72, enable_overlap=True,
+                quantization=args.quantization)
     engines = {}
     for graph in (True, False):
         kw = {k: v for k, v in dict(base, enable_cuda_graph=graph).items() if k in fields}
