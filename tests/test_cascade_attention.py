@@ -173,8 +173,7 @@ def _case_engine():
     from pathlib import Path
 
     import backend.core.layers.triton_attention as triton_attention
-    from backend.core import SamplingParams
-    from engine_helpers import make_engine, random_prompts, tiny_model
+    from engine_helpers import tiny_model
     model = tiny_model(Path(tempfile.mkdtemp()), "llama")
     calls = []
     launch = triton_attention.decode_attention
@@ -184,26 +183,34 @@ def _case_engine():
         return launch(*args, shared_prefix=shared_prefix, **kwargs)
 
     triton_attention.decode_attention = spy
-    tokens = {}
-    for cascade in (True, False):
-        engine = make_engine(model, attention_backend="triton", enable_cascade_attention=cascade,
-                             max_prefill_tokens=1024)
-        shots, *questions = random_prompts(5, engine.runner.vocab_size, seed=3, min_len=6,
-                                           max_len=12)
-        shots = (shots * 40)[:270]  # a few-shot prompt past CASCADE_MIN_PREFIX
-        for i, q in enumerate(questions):
-            q[0] = 10 + i  # each question differs from its first token
-        params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-        engine.generate([shots + [9]], params)  # the examples are cached now
-        calls.clear()
-        outs = engine.generate([shots + q for q in questions], params)
-        tokens[cascade] = [o.token_ids for o in outs]
-        cascaded = [c for c in calls if c is not None]
-        if cascade:  # every decode layer of the 4-row steps, over the cached 270
-            assert cascaded and set(cascaded) == {len(shots)}, calls
-        else:
-            assert not cascaded and calls
+    try:
+        tokens = {cascade: _engine_tokens(model, cascade, calls) for cascade in (True, False)}
+    finally:
+        triton_attention.decode_attention = launch
     assert tokens[True] == tokens[False]
+
+
+def _engine_tokens(model, cascade, calls):
+    """Greedy tokens of 4 questions after a cached 270-token prompt."""
+    from backend.core import SamplingParams
+    from engine_helpers import make_engine, random_prompts
+    engine = make_engine(model, attention_backend="triton", enable_cascade_attention=cascade,
+                         max_prefill_tokens=1024)
+    shots, *questions = random_prompts(5, engine.runner.vocab_size, seed=3, min_len=6,
+                                       max_len=12)
+    shots = (shots * 40)[:270]  # a few-shot prompt past CASCADE_MIN_PREFIX
+    for i, q in enumerate(questions):
+        q[0] = 10 + i  # each question differs from its first token
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    engine.generate([shots + [9]], params)  # the examples are cached now
+    calls.clear()
+    outs = engine.generate([shots + q for q in questions], params)
+    cascaded = [c for c in calls if c is not None]
+    if cascade:  # every decode layer of the 4-row steps, over the cached 270
+        assert cascaded and set(cascaded) == {len(shots)}, calls
+    else:
+        assert not cascaded and calls
+    return [o.token_ids for o in outs]
 
 
 CASES = {
