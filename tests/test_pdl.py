@@ -70,14 +70,15 @@ def test_the_bf16_matrix_vector_product_reads_only_its_weights_before_the_wait(k
     assert "ld.global" in after and "st.global" in after
 
 
-def _stage_ptx(stage: int, pdl: bool) -> str:
+def _stage_ptx(stage: int, pdl: bool, prefix_splits: int = 0) -> str:
+    """PTX of a decode stage (``prefix_splits`` > 0: its cascade form)."""
     from backend.core.kernels import decode_stages
     if stage == 1:
         pointers = {"Q": "*bf16", "O": "*bf16", "KBuf": "*bf16", "VBuf": "*bf16",
                     "ReqToToken": "*i32", "ReqPoolIdx": "*i64", "SeqLens": "*i64",
-                    "WorkAcc": "*fp32", "WorkLse": "*fp32", "Pos": "*i64", "Cos": "*fp32",
-                    "Sin": "*fp32", "KNew": "*bf16", "VNew": "*bf16", "Loc": "*i64",
-                    "KScale": "*fp32", "VScale": "*fp32"}
+                    "PrefixLen": "*i64", "WorkAcc": "*fp32", "WorkLse": "*fp32",
+                    "Pos": "*i64", "Cos": "*fp32", "Sin": "*fp32", "KNew": "*bf16",
+                    "VNew": "*bf16", "Loc": "*i64", "KScale": "*fp32", "VScale": "*fp32"}
         scalars = {"sm_scale": "fp32", "softcap": "fp32", "min_split_len": "i32",
                    **dict.fromkeys(["stride_qb", "stride_qh", "stride_ob", "stride_oh",
                                     "stride_kbs", "stride_kbh", "stride_vbs", "stride_vbh",
@@ -85,27 +86,32 @@ def _stage_ptx(stage: int, pdl: bool) -> str:
                                     "stride_knh", "stride_vnb", "stride_vnh"], "i32")}
         consts = dict(GROUP=4, NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_G=16,
                       BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32", ROPE=True, WINDOW=0,
-                      SOFTCAP=False, KV_FP8=False, PDL=pdl)
+                      SOFTCAP=False, KV_FP8=False, PDL=pdl, PREFIX_SPLITS=prefix_splits)
         kernel, warps = decode_stages._decode_stage1, 4
     else:
-        pointers = {"WorkAcc": "*fp32", "WorkLse": "*fp32", "O": "*bf16", "SeqLens": "*i64"}
+        pointers = {"WorkAcc": "*fp32", "WorkLse": "*fp32", "O": "*bf16", "SeqLens": "*i64",
+                    "PrefixLen": "*i64"}
         scalars = {"min_split_len": "i32", "stride_ob": "i32", "stride_oh": "i32"}
-        consts = dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_N=64,
-                      BLOCK_D=128, WINDOW=0, PDL=pdl)
+        consts = dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8,
+                      BLOCK_S=16 if prefix_splits else 8, BLOCK_N=64,
+                      BLOCK_D=128, WINDOW=0, PDL=pdl, PREFIX_SPLITS=prefix_splits)
         kernel, warps = decode_stages._decode_stage2, 4
     signature = {**pointers, **scalars, **dict.fromkeys(consts, "constexpr")}
     return compile_for_h200(kernel, signature, consts, list(pointers), num_warps=warps,
                             launch_pdl=pdl).ptx
 
 
+@pytest.mark.parametrize("prefix_splits", [0, 8])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_the_decode_attention_stages_wait_before_anything_else(stage):
+def test_the_decode_attention_stages_wait_before_anything_else(stage, prefix_splits):
     """Stage 1 reads q and the new K/V that the QKV projection just wrote (and writes
-    the pool), stage 2 reads stage 1's splits: with the attribute, both wait before
-    their first load or store, and let the next kernel start only after that."""
-    plain = _stage_ptx(stage, pdl=False)
+    the pool), stage 2 reads stage 1's splits (and, cascaded, the prefix kernel's): with
+    the attribute, both wait before their first load or store, and let the next kernel
+    start only after that."""
+    plain = _stage_ptx(stage, pdl=False, prefix_splits=prefix_splits)
     assert "griddepcontrol" not in plain
-    before, after = _before_and_after_wait(_stage_ptx(stage, pdl=True))
+    before, after = _before_and_after_wait(_stage_ptx(stage, pdl=True,
+                                                      prefix_splits=prefix_splits))
     assert "ld.global" not in before and "st.global" not in before
     assert "ld.global" in after and "st.global" in after
 

@@ -184,7 +184,8 @@ class ModelRunner:
             # so CUDA graphs captured over it never see it move
             return TritonAttention(self.kv_pool, self.req_pool.req_to_token,
                                    num_heads=self.model.layers[0].self_attn.num_heads,
-                                   max_batch_size=self.config.max_running_requests)
+                                   max_batch_size=self.config.max_running_requests,
+                                   cascade=self.config.enable_cascade_attention)
         return TorchAttention(self.kv_pool, self.req_pool.req_to_token)
 
     WARMUP_EXTEND_LENS = (1, 16, 32, 64, 128, 256)

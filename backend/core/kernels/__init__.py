@@ -7,9 +7,10 @@ slot, so a masked-off gather that falls back to slot 0 is always in bounds.
 Importing this package only decorates the kernels; nothing is compiled until a launch.
 Under ``TRITON_INTERPRET=1`` (read when the modules are imported) they run on CPU tensors.
 """
-from .decode_attention import DecodeRope, decode_attention, decode_workspace_numel
+from .decode_attention import (DecodeRope, SharedPrefix, decode_attention,
+                               decode_workspace_numel)
 from .extend_attention import extend_attention
 from .kv_store import store_kv
 
 __all__ = ["store_kv", "extend_attention", "decode_attention", "decode_workspace_numel",
-           "DecodeRope"]
+           "DecodeRope", "SharedPrefix"]

@@ -23,6 +23,14 @@ A sliding-window layer (``window`` W > 0) attends to the last W positions only: 
 splits then divide ``max(0, seq_len - W) .. seq_len - 1`` instead of the whole row, so
 its cost stops growing with the context. ``softcap`` as in the extend kernel, and so is
 an FP8 pool (``k_scale``, ``v_scale``).
+
+Cascade (``shared_prefix``): where the rows share the pool slots of a long prefix (a
+few-shot prompt cached once), a third kernel (``decode_prefix.py``) reads that prefix
+once per tile of 64 query rows instead of once per row, and the two stages cover and
+merge the rest. Launch order: prefix kernel, stage 1, stage 2. The first two are
+independent (each rotates q itself; stage 1 stores the new K/V past the prefix), so the
+order only has to put both before stage 2; with dependent launch each waits for the
+kernel before it, which chains stage 2 after both.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ import torch
 import triton
 
 from . import pdl
+from .decode_prefix import _decode_prefix
 from .decode_stages import _decode_stage1, _decode_stage2
 from .fused import check_rotary
 from .scales import check_kv_scales
@@ -51,13 +60,41 @@ def decode_tiles(dot_dtype: torch.dtype, head_dim: int) -> DecodeTiles:
     return DecodeTiles(32 if (dot_dtype == torch.float32 or wide) else 64, 4, 2)
 
 
+class PrefixTiles(NamedTuple):
+    """The prefix kernel's query tile (query rows: requests x GROUP heads), KV tile and
+    launch options."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+PREFIX_ROWS = 64  # query rows a prefix program takes: the prefix read once per 64 rows
+
+
+def prefix_rows(group: int) -> int:
+    """Query rows of a prefix tile: PREFIX_ROWS, or one request's GROUP heads if more."""
+    return max(PREFIX_ROWS, triton.next_power_of_2(group))
+
+
+def prefix_tiles(dot_dtype: torch.dtype, head_dim: int, group: int) -> PrefixTiles:
+    """64 query rows over KV tiles of 64 positions (32 for fp32 dots or wide heads, as
+    stage 1), 8 warps for a [64, 128] accumulator."""
+    block_m = prefix_rows(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 32 if (dot_dtype == torch.float32 or block_d > 128) else 64
+    return PrefixTiles(block_m, block_n, 8 if block_m * block_d >= 64 * 128 else 4, 2)
+
+
 def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int,
-                           num_kv_splits: int) -> int:
-    """float32 elements ``decode_attention`` needs: partial outputs then their lse;
-    none for a single split (every row is one pass)."""
-    if num_kv_splits <= 1:
+                           num_kv_splits: int, prefix_splits: int = 0) -> int:
+    """float32 elements ``decode_attention`` needs: partial outputs then their lse, for
+    every row's splits and (cascade) prefix splits; none for a single split without a
+    prefix (every row is one pass)."""
+    if num_kv_splits <= 1 and prefix_splits == 0:
         return 0
-    return batch_size * num_heads * num_kv_splits * (head_dim + 1)
+    return batch_size * num_heads * (num_kv_splits + prefix_splits) * (head_dim + 1)
 
 
 class DecodeRope(NamedTuple):
@@ -77,6 +114,19 @@ class DecodeRope(NamedTuple):
     loc: torch.Tensor
 
 
+class SharedPrefix(NamedTuple):
+    """Cascade attention's shared prefix: positions 0 .. L-1 hold the same pool slots in
+    every row longer than L (rows no longer than L, CUDA-graph padding, attend alone).
+
+    length: int64 [1] on the device, L (a CUDA graph replays with it rewritten: the grid
+    never depends on it); num_splits: prefix splits, the prefix kernel's grid's last
+    dimension (``decode_prefix.py``).
+    """
+
+    length: torch.Tensor
+    num_splits: int
+
+
 def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                      v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -85,7 +135,8 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                      rope: DecodeRope | None = None, window: int = 0,
                      softcap: float = 0.0, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, min_split_len: int = 0,
-                     tiles: DecodeTiles | None = None) -> None:
+                     tiles: DecodeTiles | None = None,
+                     shared_prefix: SharedPrefix | None = None) -> None:
     """Write into ``o`` [B, H, D] the attention of ``q`` [B, H, D] (one token per request)
     over positions ``0 .. seq_lens[b] - 1`` of row ``req_pool_indices[b]``.
 
@@ -102,6 +153,10 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     window, softcap: see the module docstring (0: off). k_scale, v_scale: float32 [KVH],
     required for a float8 pool. tiles: stage 1's tile and launch options
     (``decode_tiles`` when None).
+
+    shared_prefix: cascade (module docstring); the workspace then needs
+    ``decode_workspace_numel(B, H, D, num_kv_splits, shared_prefix.num_splits)``.
+    Not with a window.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -109,9 +164,13 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     assert o.shape == q.shape and q.stride(-1) == 1 and o.stride(-1) == 1
     assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1 and req_to_token.stride(1) == 1
     assert num_kv_splits >= 1 and min_split_len >= 0
+    prefix_splits = shared_prefix.num_splits if shared_prefix is not None else 0
+    if shared_prefix is not None:
+        assert prefix_splits >= 1 and window <= 0, "cascade: prefix splits, no window"
+        assert shared_prefix.length.shape == (1,) and shared_prefix.length.dtype == torch.int64
     if batch == 0:
         return
-    numel = decode_workspace_numel(batch, num_heads, head_dim, num_kv_splits)
+    numel = decode_workspace_numel(batch, num_heads, head_dim, num_kv_splits, prefix_splits)
     if numel == 0:  # one pass for every row: placeholders for the unused pointers
         work_acc = work_lse = o
     else:
@@ -119,7 +178,7 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
             workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
         assert (workspace.dtype == torch.float32 and workspace.is_contiguous()
                 and workspace.numel() >= numel)
-        n_acc = batch * num_heads * num_kv_splits * head_dim
+        n_acc = batch * num_heads * (num_kv_splits + prefix_splits) * head_dim
         work_acc = workspace[:n_acc]
         work_lse = workspace[n_acc:numel]
 
@@ -141,8 +200,27 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     # programmatic dependent launch (pdl.py): each stage starts while the kernel before
     # it ends and waits for it before reading anything
     early = pdl.dependent_launch(q.device)
+    # the shared prefix's length (placeholder without one: PREFIX_SPLITS=0 never reads it)
+    shared = shared_prefix.length if shared_prefix is not None else seq_lens
+    if shared_prefix is not None:
+        pt = prefix_tiles(dot_dtype, head_dim, group)
+        row_tiles = triton.cdiv(batch, pt.block_m // group)
+        _decode_prefix[(row_tiles, num_kv_heads, prefix_splits)](
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, shared,
+            work_acc, work_lse, r.positions, r.cos, r.sin,
+            k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap, batch,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+            r.cos.stride(0), r.sin.stride(0),
+            GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+            PREFIX_SPLITS=prefix_splits, BLOCK_M=pt.block_m, BLOCK_N=pt.block_n,
+            BLOCK_D=block_d, DOT_PRECISION="ieee" if fp32 else "tf32",
+            ROPE=rope is not None, SOFTCAP=softcap > 0, KV_FP8=fp8, PDL=early,
+            num_warps=pt.num_warps, num_stages=pt.num_stages, launch_pdl=early,
+        )
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
-        q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, work_acc, work_lse,
+        q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, shared,
+        work_acc, work_lse,
         r.positions, r.cos, r.sin, r.k, r.v, r.loc,
         k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap, min_split_len,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0),
@@ -153,12 +231,14 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
         WINDOW=window, SOFTCAP=softcap > 0, KV_FP8=fp8,
-        PDL=early, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=early,
+        PDL=early, PREFIX_SPLITS=prefix_splits, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, launch_pdl=early,
     )
-    if num_kv_splits > 1:
+    if num_kv_splits + prefix_splits > 1:
         _decode_stage2[(batch, num_heads)](
-            work_acc, work_lse, o, seq_lens, min_split_len, o.stride(0), o.stride(1),
+            work_acc, work_lse, o, seq_lens, shared, min_split_len, o.stride(0), o.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
-            BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_N=tiles.block_n,
-            BLOCK_D=block_d, WINDOW=window, PDL=early, num_warps=4, launch_pdl=early,
+            BLOCK_S=triton.next_power_of_2(num_kv_splits + prefix_splits),
+            BLOCK_N=tiles.block_n, BLOCK_D=block_d, WINDOW=window, PDL=early,
+            PREFIX_SPLITS=prefix_splits, num_warps=4, launch_pdl=early,
         )

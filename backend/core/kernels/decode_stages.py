@@ -23,6 +23,16 @@ Both stages read seq_lens on the device (never the host): the grid depends only 
 (batch, heads, splits), as CUDA graphs need. A request with seq_len 0 (graph padding) is
 a one-pass row with no key: its output is 0, not NaN.
 
+Cascade (``PREFIX_SPLITS`` > 0; 0 compiles all of it out): where every row shares the
+pool slots of positions 0 .. L-1 (L read on the device), the prefix kernel
+(``decode_prefix.py``) reads them once for many rows and writes its partials into lanes
+NUM_SPLITS .. NUM_SPLITS + PREFIX_SPLITS - 1 of each row's workspace. Stage 1 then splits
+only ``L .. seq_len - 1`` of a row past L (its whole row otherwise: padding), and never
+writes o: every used split goes to the workspace, and stage 2 merges a row's suffix
+splits with its prefix partials and writes every row::
+
+    workspace row of (b, head):  | suffix splits 0 .. NUM_SPLITS-1 | prefix 0 .. P-1 |
+
 With ``ROPE`` stage 1 also applies the rotary embedding to q and writes the new token's
 rotated K and its V to the pool. With ``WINDOW`` W > 0 (a sliding-window layer) the
 splits divide ``max(0, seq_len - W) .. seq_len - 1`` instead of the whole row. ``SOFTCAP``
@@ -47,14 +57,17 @@ NEG_FLOOR = tl.constexpr(-1.0e30)  # finite "minus infinity": never yields inf -
 
 
 @triton.jit
-def _row_chunk(SeqLens, b, min_split_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """(seq_len, first position seen, positions seen, chunk): both stages derive the
-    split layout of row b from this one place, so they always agree on it."""
+def _row_chunk(SeqLens, PrefixLen, b, min_split_len, WINDOW: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(seq_len, first position covered, positions covered, chunk): both stages derive
+    the split layout of row b from this one place, so they always agree on it."""
     seq_len = tl.load(SeqLens + b)
     first = 0  # the oldest position the new token sees
     if WINDOW > 0:
         first = tl.maximum(seq_len - WINDOW, 0)
+    if PREFIX_SPLITS > 0:  # the shared prefix is the prefix kernel's, for rows past it
+        shared = tl.load(PrefixLen)
+        first = tl.where(seq_len > shared, shared, 0)
     n_kv = seq_len - first
     # whole tiles: only the last used split has a partial tile
     chunk = tl.cdiv(tl.maximum(tl.cdiv(n_kv, NUM_SPLITS), min_split_len), BLOCK_N) * BLOCK_N
@@ -63,7 +76,7 @@ def _row_chunk(SeqLens, b, min_split_len, WINDOW: tl.constexpr, NUM_SPLITS: tl.c
 
 @triton.jit
 def _decode_stage1(
-    Q, O, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, WorkAcc, WorkLse,
+    Q, O, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
     Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale,
     sm_scale, softcap, min_split_len,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
@@ -72,7 +85,7 @@ def _decode_stage1(
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
 ):
     if PDL:  # launched early (pdl.py): q and the new K/V are the previous kernel's
         await_previous_kernel()
@@ -85,8 +98,8 @@ def _decode_stage1(
         v_scale = tl.load(VScale + kv_head)
     split = tl.program_id(2)
 
-    seq_len, first, n_kv, chunk = _row_chunk(SeqLens, b, min_split_len, WINDOW, NUM_SPLITS,
-                                             BLOCK_N)
+    seq_len, first, n_kv, chunk = _row_chunk(SeqLens, PrefixLen, b, min_split_len, WINDOW,
+                                             NUM_SPLITS, PREFIX_SPLITS, BLOCK_N)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
     start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -167,14 +180,20 @@ def _decode_stage1(
     # l == 0 and gets a 0 output
     has_kv = l_i > 0.0
     acc = acc * (v_scale / tl.where(has_kv, l_i, 1.0))[:, None]
-    o_ptr = O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    o_rows = tl.where(one_pass & (split == 0), GROUP, 0)
-    tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=(offs_g < o_rows)[:, None] & d_mask[None, :])
-    if NUM_SPLITS > 1:
+    if PREFIX_SPLITS == 0:  # with a prefix, stage 2 merges it into every row: no one pass
+        o_ptr = O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        o_rows = tl.where(one_pass & (split == 0), GROUP, 0)
+        tl.store(o_ptr, acc.to(O.dtype.element_ty),
+                 mask=(offs_g < o_rows)[:, None] & d_mask[None, :])
+    if NUM_SPLITS + PREFIX_SPLITS > 1:
         lse = m_i + tl.log2(tl.where(has_kv, l_i, 1.0))
-        # workspace rows: ((b * H + head) * NUM_SPLITS + split), used splits only
-        ws_row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
-        ws_mask = offs_g < tl.where((n_kv > chunk) & (start < end), GROUP, 0)
+        # workspace rows: ((b * H + head) * (NUM_SPLITS + PREFIX_SPLITS) + split), used
+        # splits only; the prefix kernel's come after a row's NUM_SPLITS
+        ws_row = (b.to(tl.int64) * NUM_HEADS + heads) * (NUM_SPLITS + PREFIX_SPLITS) + split
+        written = start < end
+        if PREFIX_SPLITS == 0:
+            written = (n_kv > chunk) & written
+        ws_mask = offs_g < tl.where(written, GROUP, 0)
         tl.store(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=ws_mask[:, None] & d_mask[None, :])
         tl.store(WorkLse + ws_row, lse, mask=ws_mask)
@@ -182,25 +201,37 @@ def _decode_stage1(
 
 @triton.jit
 def _decode_stage2(
-    WorkAcc, WorkLse, O, SeqLens, min_split_len, stride_ob, stride_oh,
+    WorkAcc, WorkLse, O, SeqLens, PrefixLen, min_split_len, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
 ):
     """One program per (request, head), for latency at small batch: merges the row's
-    used splits; a one-pass row (stage 1 wrote it) costs it one load of seq_len."""
+    used splits; a one-pass row (stage 1 wrote it) costs it one load of seq_len. With
+    PREFIX_SPLITS, also the prefix kernel's partials of a row past the shared prefix,
+    and it writes every row (a padding row: 0, all its lanes unused)."""
     if PDL:  # launched early (pdl.py): the splits are stage 1's
         await_previous_kernel()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    _, _, n_kv, chunk = _row_chunk(SeqLens, b, min_split_len, WINDOW, NUM_SPLITS, BLOCK_N)
-    # used splits (each with l >= 1, a finite lse); none for a one-pass row
-    used = tl.where(n_kv > chunk, tl.cdiv(n_kv, tl.maximum(chunk, 1)), 0)
+    seq_len, _, n_kv, chunk = _row_chunk(SeqLens, PrefixLen, b, min_split_len, WINDOW,
+                                         NUM_SPLITS, PREFIX_SPLITS, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < used
-    d_mask = offs_d < tl.where(used > 0, HEAD_DIM, 0)
-    ws_row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    if PREFIX_SPLITS == 0:
+        # used splits (each with l >= 1, a finite lse); none for a one-pass row
+        used = tl.where(n_kv > chunk, tl.cdiv(n_kv, tl.maximum(chunk, 1)), 0)
+        s_mask = offs_s < used
+        d_mask = offs_d < tl.where(used > 0, HEAD_DIM, 0)
+    else:
+        # every used suffix split (the new token's among them: a finite max), then the
+        # prefix's lanes where the row took part (an empty prefix split weighs 0)
+        used = tl.cdiv(n_kv, tl.maximum(chunk, 1))
+        prefix_lanes = tl.where(seq_len > tl.load(PrefixLen), PREFIX_SPLITS, 0)
+        s_mask = (offs_s < used) | ((offs_s >= NUM_SPLITS)
+                                    & (offs_s < NUM_SPLITS + prefix_lanes))
+        d_mask = offs_d < HEAD_DIM
+    ws_row = (b * NUM_HEADS + h) * (NUM_SPLITS + PREFIX_SPLITS) + offs_s
     # unused lanes read NEG_FLOOR: weight exactly 0 next to the used splits' max
     # (weight 1); a one-pass row (no lane used) computes a 0 it does not store
     lse = tl.load(WorkLse + ws_row, mask=s_mask, other=NEG_FLOOR)

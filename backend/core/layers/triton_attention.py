@@ -12,6 +12,15 @@ keeps its address across captures. The decode split layout (``SplitLayout``) is 
 function of the batch size and of a bound on the batch's longest row, ``max_seq_len``
 from the host lists; a CUDA graph's static batch carries the bound of its length class
 (``decode_len_classes``), so every replay of a graph uses the grid it was captured with.
+
+Cascade attention: a decode batch of at least CASCADE_MIN_BATCH rows whose rows share
+at least CASCADE_MIN_PREFIX leading pool slots (``batch.shared_prefix_len_cpu``, a
+cached few-shot prompt, say) reads that prefix once per tile of query rows
+(``kernels/decode_prefix.py``) instead of once per row. Below those sizes the prefix
+kernel's extra launch and merge cost more than the reads they save. The grid
+(``prefix_splits``) depends only on the batch size, and the workspace is sized once for
+the worst case, so a CUDA graph captured with ``cascade_min_prefix`` as its shared
+prefix serves every batch that shares at least that much.
 """
 from __future__ import annotations
 
@@ -21,9 +30,9 @@ import torch
 import triton
 
 from ..forward_batch import ForwardBatch
-from ..kernels import (DecodeRope, decode_attention, decode_workspace_numel, extend_attention,
-                       store_kv)
-from ..kernels.decode_attention import DecodeTiles
+from ..kernels import (DecodeRope, SharedPrefix, decode_attention, decode_workspace_numel,
+                       extend_attention, store_kv)
+from ..kernels.decode_attention import DecodeTiles, prefix_rows
 from ..kernels.fused import rotary_store_kv
 from ..memory_pool import KVPool
 from .attention import AttentionBackend
@@ -36,6 +45,11 @@ CPU_KV_SPLITS = 8  # no SM count to size for; also what the interpreter tests us
 # pass (no workspace round trip, no merge), and only longer ones split, for balance.
 FILL_PROGRAMS_PER_SM = 2
 ONE_PASS_LEN = 512
+# cascade attention from this shared prefix and this batch size on
+CASCADE_MIN_PREFIX = 256
+CASCADE_MIN_BATCH = 4
+MAX_PREFIX_SPLITS = 16
+CPU_PREFIX_SPLITS = 4  # as CPU_KV_SPLITS: several, so the tests merge several
 
 
 class SplitLayout(NamedTuple):
@@ -51,11 +65,13 @@ class TritonAttention(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, *,
                  num_heads: int | None = None, num_kv_splits: int | None = None,
                  min_split_len: int | None = None, max_batch_size: int = 0,
-                 decode_tiles: DecodeTiles | None = None) -> None:
+                 decode_tiles: DecodeTiles | None = None, cascade: bool = True) -> None:
         """num_kv_splits, min_split_len: fixed decode split choices instead of
         ``split_layout``'s (for tests and tuning); decode_tiles: the decode kernel's
-        tiles instead of its default."""
+        tiles instead of its default; cascade: whether decode batches sharing a long
+        prefix read it once (module docstring)."""
         super().__init__(kv_pool, req_to_token)
+        self.cascade = cascade
         self.num_heads = num_heads
         self.fixed_kv_splits = num_kv_splits
         self.fixed_min_split_len = min_split_len
@@ -68,9 +84,37 @@ class TritonAttention(AttentionBackend):
                         if self.device.type == "cuda" else 0)
         self._workspace: torch.Tensor | None = None
         if num_heads and max_batch_size > 0:
-            worst = max(decode_workspace_numel(b, num_heads, self.head_dim, self.num_kv_splits(b))
-                        for b in range(1, max_batch_size + 1))
+            worst = self.workspace_bound(max_batch_size, num_heads)
             self._workspace = torch.empty(worst, dtype=torch.float32, device=self.device)
+
+    def cascade_min_prefix(self, batch_size: int) -> int:
+        if self.cascade and batch_size >= CASCADE_MIN_BATCH:
+            return CASCADE_MIN_PREFIX
+        return 0
+
+    def prefix_splits(self, batch_size: int, num_heads: int) -> int:
+        """Prefix splits of a cascaded decode batch: enough prefix programs (row tiles x
+        kv heads x splits) for ~2 waves over the SMs. The 8B shape (32 heads, 8 kv heads)
+        at batch 64 on 132 SMs: 4 tiles of 16 requests x 8 kv heads = 32 programs a
+        split, 8 splits. A pure function of the batch size (and fixed hardware)."""
+        if not self.num_sms:
+            return CPU_PREFIX_SPLITS
+        group = num_heads // self.num_kv_heads
+        programs = triton.cdiv(batch_size, prefix_rows(group) // group) * self.num_kv_heads
+        return max(1, min(MAX_PREFIX_SPLITS, 2 * self.num_sms // programs))
+
+    def _worst_numel(self, batch_size: int, num_heads: int) -> int:
+        """The decode workspace of a batch of this size, cascaded if it may be."""
+        prefix = (self.prefix_splits(batch_size, num_heads)
+                  if self.cascade_min_prefix(batch_size) else 0)
+        return decode_workspace_numel(batch_size, num_heads, self.head_dim,
+                                      self.num_kv_splits(batch_size), prefix)
+
+    def workspace_bound(self, max_batch_size: int, num_heads: int) -> int:
+        """float32 elements of the largest decode workspace of any batch up to
+        ``max_batch_size``, cascaded or not: allocated once, so that CUDA graphs captured
+        over it (in any order) never see it move."""
+        return max(self._worst_numel(b, num_heads) for b in range(1, max_batch_size + 1))
 
     def num_kv_splits(self, batch_size: int) -> int:
         """Splits for a decode batch whose rows may be long: enough stage-1 programs for
@@ -104,13 +148,12 @@ class TritonAttention(AttentionBackend):
             return [short, max_seq_len]
         return [max_seq_len]
 
-    def _decode_workspace(self, batch_size: int, num_heads: int, splits: int) -> torch.Tensor:
-        """The shared float32 workspace, grown (never shrunk) to fit this batch.
+    def _decode_workspace(self, need: int) -> torch.Tensor:
+        """The shared float32 workspace, grown (never shrunk) to ``need`` elements.
 
         All layers of a step reuse it: stage 2 of one layer finishes (same stream) before
-        stage 1 of the next overwrites it.
+        stage 1 (or the prefix kernel) of the next overwrites it.
         """
-        need = decode_workspace_numel(batch_size, num_heads, self.head_dim, splits)
         if self._workspace is None or self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.float32, device=self.device)
         return self._workspace
@@ -119,8 +162,7 @@ class TritonAttention(AttentionBackend):
         # size the workspace before the layers run (and before any graph capture), so
         # forward itself allocates nothing once the head count is known
         if batch.is_decode and self.num_heads and batch.batch_size:
-            self._decode_workspace(batch.batch_size, self.num_heads,
-                                   self.num_kv_splits(batch.batch_size))
+            self._decode_workspace(self._worst_numel(batch.batch_size, self.num_heads))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float, *, window: int = 0,
@@ -158,13 +200,21 @@ class TritonAttention(AttentionBackend):
         if batch.is_decode:
             num_heads = q.shape[1]
             self.num_heads = self.num_heads or num_heads  # lets later prepare() calls size it
-            layout = self.split_layout(batch.batch_size, batch.max_seq_len)
-            workspace = self._decode_workspace(batch.batch_size, num_heads, layout.num_kv_splits)
+            b = batch.batch_size
+            layout = self.split_layout(b, batch.max_seq_len)
+            shared = None
+            if (scoring.window == 0 and batch.shared_prefix_len is not None
+                    and 0 < self.cascade_min_prefix(b) <= batch.shared_prefix_len_cpu):
+                shared = SharedPrefix(batch.shared_prefix_len, self.prefix_splits(b, num_heads))
+            workspace = self._decode_workspace(decode_workspace_numel(
+                b, num_heads, self.head_dim, layout.num_kv_splits,
+                shared.num_splits if shared else 0))
             decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                              batch.seq_lens, scoring.scale, layout.num_kv_splits,
                              workspace=workspace, rope=rope, window=scoring.window,
                              softcap=scoring.softcap, k_scale=k_scale, v_scale=v_scale,
-                             min_split_len=layout.min_split_len, tiles=self.decode_tiles)
+                             min_split_len=layout.min_split_len, tiles=self.decode_tiles,
+                             shared_prefix=shared)
         else:
             extend_attention(q, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                              batch.seq_lens, batch.extend_prefix_lens, batch.qo_indptr,
