@@ -2,6 +2,7 @@
 
     python tools/profile_decode.py --model /tmp/shapes/llama-8b [--batch 1 32] [--out DIR]
         [--quantization fp8] [--overlap on] [--prompt-len 1056 --shared-prefix 1024]
+        [--engine-arg enable_cascade_attention=false]
 
 For each setting (overlap off, overlap on) and batch size: steady greedy decode, then
   * wall ms per step over 100 steps;
@@ -199,7 +200,12 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="the first N prompt tokens the same for every request (their KV "
                          "shared through the radix cache, as in the few-shot workload)")
+    ap.add_argument("--engine-arg", action="append", default=[],
+                    help="extra EngineConfig field, KEY=VALUE (repeatable)")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+    from bench_engine import _parse_value
+    extra = {k: _parse_value(v) for k, _, v in (a.partition("=") for a in args.engine_arg)}
     assert 0 <= args.shared_prefix < args.prompt_len, "--shared-prefix must be below --prompt-len"
     global DEVICE
     DEVICE = args.device
@@ -210,11 +216,13 @@ def main() -> None:
                                   dtype="bfloat16" if args.device == "cuda" else "float32",
                                   load_format="dummy", max_total_tokens=args.kv_tokens,
                                   max_running_requests=256, max_prefill_tokens=8192,
-                                  enable_overlap=overlap, quantization=args.quantization))
+                                  enable_overlap=overlap, quantization=args.quantization,
+                                  **extra))
         for b in args.batch:
             r = profile_one(eng, b, args.prompt_len, report, args.shared_prefix)
             r["overlap"] = overlap
             r["quantization"] = args.quantization
+            r["engine_args"] = args.engine_arg
             results.append(r)
             print(json.dumps(r), flush=True)
         del eng
