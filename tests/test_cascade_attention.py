@@ -191,12 +191,12 @@ def _case_engine():
 
 
 def _engine_tokens(model, cascade, calls):
-    """Greedy tokens of 4 questions after a cached 270-token prompt."""
+    """Greedy tokens of 16 questions (CASCADE_MIN_BATCH) after a cached 270-token prompt."""
     from backend.core import SamplingParams
     from engine_helpers import make_engine, random_prompts
     engine = make_engine(model, attention_backend="triton", enable_cascade_attention=cascade,
                          max_prefill_tokens=1024)
-    shots, *questions = random_prompts(5, engine.runner.vocab_size, seed=3, min_len=6,
+    shots, *questions = random_prompts(17, engine.runner.vocab_size, seed=3, min_len=6,
                                        max_len=12)
     shots = (shots * 40)[:270]  # a few-shot prompt past CASCADE_MIN_PREFIX
     for i, q in enumerate(questions):
@@ -206,7 +206,7 @@ def _engine_tokens(model, cascade, calls):
     calls.clear()
     outs = engine.generate([shots + q for q in questions], params)
     cascaded = [c for c in calls if c is not None]
-    if cascade:  # every decode layer of the 4-row steps, over the cached 270
+    if cascade:  # every decode layer of the 16-row steps, over the cached 270
         assert cascaded and set(cascaded) == {len(shots)}, calls
     else:
         assert not cascaded and calls

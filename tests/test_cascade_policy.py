@@ -19,15 +19,16 @@ H100_SMS = 132
 
 def _backend(kv_heads=8, head_dim=128, num_sms=0, **options) -> TritonAttention:
     pool = KVPool(64, 1, kv_heads, head_dim, torch.float32, "cpu")
-    backend = TritonAttention(pool, ReqToTokenPool(8, 64, "cpu").req_to_token, **options)
+    backend = TritonAttention(pool, ReqToTokenPool(32, 64, "cpu").req_to_token, **options)
     backend.num_sms = num_sms  # the GPU's SM count (0 on CPU)
     return backend
 
 
-def test_cascade_starts_at_256_shared_positions_and_4_rows():
-    assert (CASCADE_MIN_PREFIX, CASCADE_MIN_BATCH) == (256, 4)
+def test_cascade_starts_at_256_shared_positions_and_16_rows():
+    assert (CASCADE_MIN_PREFIX, CASCADE_MIN_BATCH) == (256, 16)
     backend = _backend()
-    assert [backend.cascade_min_prefix(b) for b in (1, 2, 3, 4, 64, 512)] == [0, 0, 0, 256, 256, 256]
+    assert ([backend.cascade_min_prefix(b) for b in (1, 4, 15, 16, 64, 512)]
+            == [0, 0, 0, 256, 256, 256])
 
 
 def test_disabled_cascade_never_cascades():
@@ -59,7 +60,7 @@ def test_decode_workspace_numel_holds_the_prefix_splits_after_the_suffix_ones():
 def test_the_workspace_bound_is_the_worst_batch_cascaded_or_not():
     gpu = _backend(num_sms=H100_SMS)
     worst = max(decode_workspace_numel(b, 32, 128, gpu.num_kv_splits(b),
-                                       gpu.prefix_splits(b, 32) if b >= 4 else 0)
+                                       gpu.prefix_splits(b, 32) if b >= CASCADE_MIN_BATCH else 0)
                 for b in range(1, 65))
     assert gpu.workspace_bound(64, 32) == worst
     assert worst > _backend(num_sms=H100_SMS, cascade=False).workspace_bound(64, 32)
@@ -71,13 +72,13 @@ def test_the_workspace_is_allocated_once_and_never_moves(launches):
     backend = _backend(kv_heads=2, head_dim=16, num_heads=4, max_batch_size=16)
     assert backend._workspace.numel() == backend.workspace_bound(16, 4)
     address = backend._workspace.data_ptr()
-    for rows, shared in ((16, 0), (16, 300), (5, 300), (3, 300)):
+    for rows, shared in ((16, 0), (16, 300), (15, 300), (3, 300)):
         batch = _decode_batch(rows, shared)
         backend.prepare(batch)
         backend._attend(torch.zeros(rows, 4, 16), 0, batch,
                         triton_attention._Scoring(0.25, 0, 0.0))
         assert backend._workspace.data_ptr() == address
-    assert [p is not None for p in launches] == [False, True, True, False]
+    assert [p is not None for p in launches] == [False, True, False, False]
 
 
 def _decode_batch(rows: int, shared: int) -> ForwardBatch:
@@ -102,12 +103,12 @@ def launches(monkeypatch):
 
 
 @pytest.mark.parametrize("rows, shared, window, cascade, expected", [
-    (4, 256, 0, True, True),
-    (8, 1000, 0, True, True),
-    (3, 1000, 0, True, False),  # too few rows
-    (8, 255, 0, True, False),  # too short a prefix
-    (8, 1000, 16, True, False),  # a sliding-window layer
-    (8, 1000, 0, False, False),  # turned off
+    (16, 256, 0, True, True),
+    (32, 1000, 0, True, True),
+    (15, 1000, 0, True, False),  # too few rows
+    (16, 255, 0, True, False),  # too short a prefix
+    (16, 1000, 16, True, False),  # a sliding-window layer
+    (16, 1000, 0, False, False),  # turned off
 ])
 def test_decode_cascades_when_the_batch_shares_enough(launches, rows, shared, window, cascade,
                                                       expected):

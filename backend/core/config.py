@@ -97,7 +97,7 @@ class EngineConfig:
     # batch-1 decode on CUDA half types: each RMSNorm runs inside the projection after it,
     # SiLU-and-mul inside the down projection (kernels/gemv.py)
     enable_fused_gemv: bool = True
-    # decode batches whose rows share a cached prefix of at least 256 tokens (4 rows or
+    # decode batches whose rows share a cached prefix of at least 256 tokens (16 rows or
     # more) read it once for all rows instead of once per row, with the Triton attention
     # backend (layers/triton_attention.py); the same results, fewer KV bytes read
     enable_cascade_attention: bool = True
