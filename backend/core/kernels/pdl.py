@@ -18,11 +18,10 @@ rows, the few-row GEMM (``fp8_small_gemm.py``, which prefetches the chunks its p
 copies first) and the activation quantizers before it (``fp8_quant.per_token_quant``,
 ``fp8_fused_quant``'s RMSNorm, which reads its weight before the wait, and SiLU-and-mul).
 On an H100 the 8B shape's batch-1 step went 3.559 -> 3.490 ms with FP8 weights and
-5.517 -> 5.468 ms in bf16 (docs/benchmarks/fp8.md). The bf16 figure is to be
-re-measured: it was taken when ``prefetch_to_l2`` asked for every other line of a bf16
-chunk (the chunked bf16 products, e.g. the down projection, now ask for every line).
-The FP8 figure used float8 chunks only, whose prefetch is unchanged. The batched rows'
-launches (32 to 128 rows) are not measured yet.
+5.517 -> 5.468 ms in bf16; asking for every line of a bf16 chunk instead of every other
+one left the bf16 step where it was (5.465 -> 5.460 ms, one machine). The batched FP8
+launches took the 8B step at 32 rows from 4.602 to 4.304 ms and at 128 rows from 5.767
+to 5.640 ms (docs/benchmarks/fp8.md).
 """
 from __future__ import annotations
 
