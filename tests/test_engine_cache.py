@@ -96,3 +96,20 @@ def test_chunked_prefill_is_cached_chunk_by_chunk(model):
     while engine.has_work():
         engine.step()
     assert engine.cache.total_size() == len(prompt) + 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_questions_arriving_with_their_shared_examples_compute_them_once(model, overlap):
+    """Few-shot questions sent together into an empty cache: one request computes the
+    examples, the others wait for them to be cached, also when the next step is scheduled
+    while the first one's prefill still runs (overlap), before its prompt is in the tree."""
+    engine = make_engine(model, enable_overlap=overlap)
+    shots, *questions = random_prompts(7, engine.runner.vocab_size, seed=8, min_len=6,
+                                       max_len=12)
+    shots = (shots * 10)[:48]
+    for i, q in enumerate(questions):
+        q[0] = 10 + i  # each question differs from its first token
+    outs = engine.generate([shots + q for q in questions], SamplingParams(max_new_tokens=3,
+                                                                           **GREEDY))
+    assert sorted(o.num_cached_tokens for o in outs) == [0] + [len(shots)] * 5
+    engine.check_integrity()

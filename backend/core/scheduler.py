@@ -135,9 +135,12 @@ class Scheduler:
             return []
         items: list[ScheduledItem] = []
         admitted_arrivals: list[float] = []
-        # prompts whose KV is being computed now: this step's admissions and chunked
-        # prefills still under way
-        admitted_prompts = [r.fill_ids for r in self.running if r.num_uncomputed > 1]
+        # prompts whose KV is being computed now: this step's admissions, chunked
+        # prefills still under way, and (overlap) prefills launched but not yet read,
+        # whose prompt goes into the tree only when their step is processed
+        admitted_prompts = [r.fill_ids if r.num_uncomputed > 1 else r.origin_input_ids
+                            for r in self.running
+                            if r.num_uncomputed > 1 or not _prompt_cached(r)]
         for req in admission_order(self.waiting, self.cache, self.config):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
