@@ -1,4 +1,4 @@
-"""The few-row FP8 GEMM (backend/core/kernels/fp8_small_gemm.py) on CPU via the Triton
+"""The few-row FP8 GEMM (backend/core/kernels/small_gemm.py) on CPU via the Triton
 interpreter: against the float32 product of the same float8 operands, with and without a
 bias, for row counts and
 dimensions that fit no tile (masked rows and outputs, K not a multiple of BLOCK_K).
@@ -28,7 +28,7 @@ def _operands(m, n, k, seed):
 
 def _case_w8a8(m, n, k, bias):
     from backend.core.fp8 import quantize_rows
-    from backend.core.kernels.fp8_small_gemm import SmallGemmTiles, small_gemm
+    from backend.core.kernels.small_gemm import SmallGemmTiles, small_gemm
     x, wq, ws, deq, b = _operands(m, n, k, m * n + k)
     xq, xs = quantize_rows(x)
     got = small_gemm(xq, xs, wq, ws, b if bias else None, torch.float32,
@@ -41,7 +41,7 @@ def _case_w8a8(m, n, k, bias):
 
 
 def _case_no_rows():
-    from backend.core.kernels.fp8_small_gemm import small_gemm
+    from backend.core.kernels.small_gemm import small_gemm
     _, wq, ws, _, _ = _operands(1, 48, 64, 0)
     got = small_gemm(torch.empty(0, 64, dtype=wq.dtype), torch.empty(0, 1), wq, ws, None,
                      torch.bfloat16)
@@ -56,7 +56,7 @@ CASES["no-rows"] = (_case_no_rows, {})
 
 
 def test_default_tiles_take_every_row_of_a_decode_batch_up_to_64():
-    from backend.core.kernels.fp8_small_gemm import choose_tiles
+    from backend.core.kernels.small_gemm import choose_tiles
     assert [choose_tiles(r).block_m for r in (1, 2, 16, 17, 32, 33, 64, 128)] == \
         [16, 16, 16, 32, 32, 64, 64, 64]
 
@@ -72,7 +72,7 @@ def test_few_rows_take_it_and_narrow_projections_take_it_twice_as_far():
 
 
 def test_activations_must_be_float8_rows_with_a_scale_each():
-    from backend.core.kernels.fp8_small_gemm import small_gemm
+    from backend.core.kernels.small_gemm import small_gemm
     _, wq, ws, _, _ = _operands(2, 32, 32, 1)
     with pytest.raises(AssertionError, match="a scale each"):
         small_gemm(torch.zeros(2, 32), torch.ones(2, 1), wq, ws, None, torch.float32)
@@ -83,8 +83,8 @@ def test_activations_must_be_float8_rows_with_a_scale_each():
 
 def _worker() -> None:
     from triton.runtime.interpreter import InterpretedFunction
-    from backend.core.kernels import fp8_small_gemm
-    assert isinstance(fp8_small_gemm._small_gemm_kernel, InterpretedFunction), "interpreter not active"
+    from backend.core.kernels import small_gemm
+    assert isinstance(small_gemm._small_gemm_kernel, InterpretedFunction), "interpreter not active"
     run_cases(CASES)
 
 

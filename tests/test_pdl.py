@@ -151,29 +151,32 @@ def test_a_prefetched_chunk_is_asked_for_once_per_128_byte_line(dtype, block_n, 
     assert ptx.count("prefetch.global.L2") == per_thread
 
 
-def _small_gemm_ptx(block_m: int, even_k: bool, pdl: bool) -> tuple[str, object]:
-    from backend.core.kernels import fp8_small_gemm
-    t = fp8_small_gemm.SmallGemmTiles(block_m=block_m)
-    pointers = {"X": "*fp8e4nv", "XScale": "*fp32", "W": "*fp8e4nv", "WScale": "*fp32",
+def _small_gemm_ptx(block_m: int, even_k: bool, pdl: bool,
+                    half: bool = False) -> tuple[str, object]:
+    from backend.core.kernels import small_gemm
+    t = (small_gemm.choose_half_tiles if half else small_gemm.choose_tiles)(block_m)
+    op = "*bf16" if half else "*fp8e4nv"
+    pointers = {"X": op, "XScale": "*fp32", "W": op, "WScale": "*fp32",
                 "Bias": "*bf16", "Y": "*bf16"}
     scalars = dict.fromkeys(["M", "N", "K", "stride_x", "stride_w", "stride_y"], "i32")
-    consts = dict(HAS_BIAS=True, EVEN_K=even_k, BLOCK_N=t.block_n, BLOCK_M=t.block_m,
+    consts = dict(HAS_SCALES=not half, HAS_BIAS=True, EVEN_K=even_k, BLOCK_N=t.block_n, BLOCK_M=t.block_m,
                   BLOCK_K=t.block_k, STAGES=t.stages)
-    return _ptx(fp8_small_gemm._small_gemm_kernel, pointers, scalars, consts, t.warps, pdl,
+    return _ptx(small_gemm._small_gemm_kernel, pointers, scalars, consts, t.warps, pdl,
                 ("K", "stride_x", "stride_w", "stride_y"), num_stages=t.stages), t
 
 
-@pytest.mark.parametrize("block_m, even_k", [(32, True), (64, True), (64, False)])
-def test_the_small_fp8_gemm_prefetches_its_weight_strip_then_waits(block_m, even_k):
+@pytest.mark.parametrize("block_m, even_k, half", [(32, True, False), (64, True, False),
+                                                   (64, False, False), (32, True, True)])
+def test_the_small_gemm_prefetches_its_weight_strip_then_waits(block_m, even_k, half):
     """The batched decode product (32 to 128 rows): before the wait only L2 prefetches of
-    the STAGES - 1 weight chunks the pipeline copies first (float8: BLOCK_K / 128 lines
-    of each of BLOCK_N rows, over the program's threads); the activations, their scales
-    and every write come after it."""
-    plain, _ = _small_gemm_ptx(block_m, even_k, pdl=False)
+    the STAGES - 1 weight chunks the pipeline copies first (BLOCK_K float8 or bf16
+    columns: a 128-byte line is 128 or 64 of them, for each of BLOCK_N rows, over the
+    program's threads); the activations, their scales and every write come after it."""
+    plain, _ = _small_gemm_ptx(block_m, even_k, pdl=False, half=half)
     assert "griddepcontrol" not in plain and "prefetch.global.L2" not in plain
-    ptx, t = _small_gemm_ptx(block_m, even_k, pdl=True)
+    ptx, t = _small_gemm_ptx(block_m, even_k, pdl=True, half=half)
     before, after = _before_and_after_wait(ptx)
-    lines = (t.stages - 1) * t.block_n * (t.block_k // 128)
+    lines = (t.stages - 1) * t.block_n * (t.block_k // (64 if half else 128))
     assert before.count("prefetch.global.L2") == lines // (32 * t.warps) == 4
     assert "prefetch.global.L2" not in after
     for access in ("ld.global", "cp.async", "st.global", "ld.shared", "st.shared"):

@@ -1,4 +1,4 @@
-"""The few-row FP8 products (backend/core/kernels/fp8_small_gemm.py) on the GPU.
+"""The few-row FP8 products (backend/core/kernels/small_gemm.py) on the GPU.
 
 For each projection of the Llama-3.1-8B shape and each batch size in ``--rows``:
 checks the kernel against the dequantized float32 product of the same float8 operands,
@@ -27,7 +27,7 @@ from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from backend.core.fp8 import quantize_rows  # noqa: E402
 from backend.core.kernels.fp8_quant import per_token_quant  # noqa: E402
-from backend.core.kernels.fp8_small_gemm import (SmallGemmTiles, choose_tiles,  # noqa: E402
+from backend.core.kernels.small_gemm import (SmallGemmTiles, choose_tiles,  # noqa: E402
                                                  small_gemm)
 from backend.core.layers.fp8_linear import scaled_mm  # noqa: E402
 

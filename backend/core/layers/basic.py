@@ -21,17 +21,27 @@ from .fp8_block_linear import Fp8BlockLinear
 from .fp8_linear import Fp8Linear
 
 FP8_LINEARS = (Fp8Linear, Fp8BlockLinear)  # the float8 layers, one call interface
+# Rows up to which half-precision products take kernels/small_gemm.py instead of cuBLAS
+SMALL_GEMM_MAX_ROWS = 128
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            fuse_rows: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (then cast to ``out_dtype``); with ``fuse_rows``,
-    batch-1 rows take the matrix-vector kernel, which writes ``out_dtype`` directly."""
+    batch-1 rows take the matrix-vector kernel, which writes ``out_dtype`` directly. A
+    decode batch of a few dozen half-precision rows takes the swapped-operand GEMM
+    (``small_gemm_rows``)."""
     if fuse_rows and rows_fusable(x, weight, bias):
         from ..kernels.gemv import linear_rows
 
         return linear_rows(x, weight, bias, out_dtype=out_dtype)
-    y = F.linear(x, weight, bias)
+    if small_gemm_rows(x, weight, bias):
+        from ..kernels.small_gemm import half_small_gemm
+
+        y = half_small_gemm(x, weight, bias)
+    else:
+        y = F.linear(x, weight, bias)
+    # rounded to x's dtype first, as the reference models' logits are
     return y if out_dtype is None else y.to(out_dtype)
 
 
@@ -42,9 +52,18 @@ def project(proj: nn.Module, x: torch.Tensor, fuse_rows: bool) -> torch.Tensor:
     ``F.linear`` for ``nn.Linear`` and the float8 product for ``fp8_linear.Fp8Linear``
     (whose float8 weight never passes ``rows_fusable``: it takes small batches to its
     own weight-only kernels)."""
-    if fuse_rows and rows_fusable(x, proj.weight, proj.bias):
-        return linear(x, proj.weight, proj.bias, True)
+    if type(proj) is nn.Linear:
+        return linear(x, proj.weight, proj.bias, fuse_rows)
     return proj(x)
+
+
+def small_gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``kernels/small_gemm.py``'s half-precision GEMM takes this product: a CUDA
+    batch of 2 to SMALL_GEMM_MAX_ROWS rows of the weight's dtype, where it beat cuBLAS
+    (``tools/gpu/half_small_gemm_checks.py``)."""
+    return (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= SMALL_GEMM_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype))
 
 
 def rows_fusable(x: torch.Tensor, *params: torch.Tensor) -> bool:
@@ -129,7 +148,7 @@ class GatedMLP(nn.Module):
         """The block's output from its gate/up projection ``gate_up`` [T, 2I]."""
         gate, up = gate_up.split(self.intermediate, dim=-1)
         if self.act == "gelu_tanh":
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+            return project(self.down_proj, F.gelu(gate, approximate="tanh") * up, False)
         if self.fuse_rows and rows_fusable(gate_up, self.down_proj.weight):
             from ..kernels.gemv import silu_mul_linear_rows
 
@@ -140,7 +159,7 @@ class GatedMLP(nn.Module):
         if gate_up.is_cuda:
             from ..kernels.fused import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
+            return project(self.down_proj, silu_and_mul(gate_up), False)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -15,7 +15,7 @@ accumulation applies both scales to its output,
 
 On the GPU this is ``torch._scaled_mm`` with row-wise scales (cuBLASLt/CUTLASS float8
 tensor-core GEMM), and for a decode batch's few rows (``takes_small_gemm``) the Triton
-GEMM of ``kernels/fp8_small_gemm.py``, whose tiles fit them. With ``fuse_rows`` set the
+GEMM of ``kernels/small_gemm.py``, whose tiles fit them. With ``fuse_rows`` set the
 norm before the qkv and gate/up projections and the SiLU-and-mul before the down
 projection quantize their own output (``rmsnorm_linear``, ``silu_mul_linear``;
 ``kernels/fp8_fused_quant.py``): the same float8 bytes, one launch fewer. Why W8A8 for batches:
@@ -56,7 +56,7 @@ _MM_ALIGN = 16
 # against 140, H100: 175 against 149; the gate/up projection 90 against 50), so only
 # single rows take them.
 WEIGHT_ONLY_ROWS = 1
-# Rows up to which W8A8 runs as the swapped-operand Triton GEMM (kernels/fp8_small_gemm.py)
+# Rows up to which W8A8 runs as the swapped-operand Triton GEMM (kernels/small_gemm.py)
 # instead of _scaled_mm: with per-token quantization included, in CUDA graphs on an H100
 # at 32 rows it takes the 8B projections in 9.7/9.3/47.5/30.5 us (qkv/o/gate_up/down)
 # against _scaled_mm's 19.8/15.0/54.7/43.3; from 2 to 64 rows it is ahead on each
@@ -106,7 +106,7 @@ class Fp8Linear(nn.Module):
         """The product of rows already quantized per token (float8 [T, K], float32 scales
         [T, 1]), bias included, in ``dtype``."""
         if xq.is_cuda and self.takes_small_gemm(xq.shape[0]):
-            from ..kernels.fp8_small_gemm import small_gemm
+            from ..kernels.small_gemm import small_gemm
 
             # the bias goes into the kernel's epilogue: no separate add launch
             return small_gemm(xq, x_scale, self.weight, self.weight_scale, self.bias, dtype)
@@ -117,7 +117,7 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def takes_small_gemm(self, rows: int) -> bool:
-        """Whether W8A8 of ``rows`` rows runs ``kernels/fp8_small_gemm.py``: up to
+        """Whether W8A8 of ``rows`` rows runs ``kernels/small_gemm.py``: up to
         SMALL_GEMM_ROWS, and up to twice that for projections no wider than their input
         (the 8B o and down projections at 128 rows: 12.0 and 34.7 us against 15.8 and
         43.0 with _scaled_mm, where the wider qkv and gate/up lose)."""
