@@ -13,13 +13,6 @@ from dataclasses import dataclass
 class Compiled:
     ptx: str
     resources: str  # ptxas' resource line ("REG:... STACK:... SHARED:...")
-    shared: int  # bytes of dynamic shared memory a program takes (Triton's metadata)
-    num_warps: int
-
-    @property
-    def registers(self) -> int:
-        """Registers a thread takes (the resource line's REG)."""
-        return int(self.resources.split("REG:")[1].split()[0])
 
 
 def compile_for_h200(kernel, signature: dict[str, str], consts: dict, aligned: list[str],
@@ -43,5 +36,4 @@ def compile_for_h200(kernel, signature: dict[str, str], consts: dict, aligned: l
         usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
                                text=True, check=True).stdout
     return Compiled(compiled.asm["ptx"], next(line for line in usage.splitlines()
-                                              if "REG:" in line),
-                    compiled.metadata.shared, compiled.metadata.num_warps)
+                                              if "REG:" in line))

@@ -9,10 +9,6 @@ whatever shared length the device holds; every workspace element read was writte
 batch spanning two row tiles, the fused rotary path, and an engine whose decode batches
 share a cached prompt: the same greedy tokens with and without cascade.
 
-The prefix programs and stage 1 run as one launch (``_decode_prefix_stage1``); the
-``fused-*`` cases check that it computes bit for bit what the two launches
-(``SharedPrefix.fused`` False) compute: output, every workspace element and the pool.
-
 As test_triton_kernels.py: the cases run in a worker subprocess with TRITON_INTERPRET=1.
 """
 from __future__ import annotations
@@ -32,14 +28,10 @@ class Shared:
     """A decode batch whose real rows share their first ``shared`` slots."""
 
     def __init__(self, shared, suffix_lens, h, kvh, d, seed, dtype=torch.float32,
-                 pads=(), fp8=False, alone=()):
-        """alone: (index among the real rows, n): rows of n <= shared positions in slots
-        of their own (rows no longer than the prefix attend alone), never the first row
-        (the prefix programs read the first row's slots)."""
-        assert all(0 < i and n <= shared for i, n in alone)
+                 pads=(), fp8=False):
         gen = torch.Generator().manual_seed(seed)
-        rows = len(suffix_lens) + len(alone) + 1  # table row 0: the padding rows' dummy row
-        slots_needed = shared + sum(suffix_lens) + sum(n for _, n in alone)
+        rows = len(suffix_lens) + 1  # table row 0 stays the padding rows' dummy row
+        slots_needed = shared + sum(suffix_lens)
         self.r2t = torch.zeros(rows, shared + max(suffix_lens) + 4, dtype=torch.int32)
         perm = (torch.randperm(slots_needed + 20, generator=gen) + 1).tolist()  # never slot 0
         prefix, own = perm[:shared], perm[shared:]
@@ -52,13 +44,6 @@ class Shared:
             req_rows.append(row)
             seq_lens.append(len(slots))
             self.loc.append(slots[-1])
-        for (i, n), row in zip(sorted(alone), table_rows[len(suffix_lens):]):
-            slots = own[:n]
-            own = own[n:]
-            self.r2t[row, :n] = torch.tensor(slots, dtype=torch.int32)
-            req_rows.insert(i, row)
-            seq_lens.insert(i, n)
-            self.loc.insert(i, slots[-1])
         for i in sorted(pads):  # graph padding: table row 0, no positions
             req_rows.insert(i, 0)
             seq_lens.insert(i, 0)
@@ -104,20 +89,18 @@ class Shared:
         return out
 
     def decode(self, declared=None, prefix_splits=0, splits=4, softcap=0.0, rope=None,
-               min_split_len=0, k=None, v=None, fused=True, ws=None):
-        """decode_attention over a NaN-filled workspace (``ws`` if given) and output;
-        ``declared``: the shared length the device buffer holds (the batch's own by
-        default); fused: the prefix programs and stage 1 in one launch."""
+               min_split_len=0, k=None, v=None):
+        """decode_attention over a NaN-filled workspace and output; ``declared``: the
+        shared length the device buffer holds (the batch's own by default)."""
         from backend.core.kernels import SharedPrefix, decode_attention, decode_workspace_numel
         h, d = self.q.shape[1:]
         shared = None
         if prefix_splits:
             length = torch.tensor([self.shared if declared is None else declared])
-            shared = SharedPrefix(length, prefix_splits, fused)
+            shared = SharedPrefix(length, prefix_splits)
         out = torch.full_like(self.q, float("nan"))
-        if ws is None:
-            ws = torch.full((decode_workspace_numel(len(self.rows), h, d, splits,
-                                                    prefix_splits),), float("nan"))
+        ws = torch.full((decode_workspace_numel(len(self.rows), h, d, splits, prefix_splits),),
+                        float("nan"))
         decode_attention(self.q, out, self.k if k is None else k, self.v if v is None else v,
                          self.r2t, self.rows, self.seq_lens, 0.3, splits, workspace=ws,
                          rope=rope, softcap=softcap, k_scale=self.k_scale,
@@ -181,46 +164,6 @@ def _case_rope(shared, suffix_lens, h, kvh, d, fp8=False, pads=(), tol=FP32_TOL)
     assert (outs[1] - outs[0]).abs().max().item() < tol
     for i in pads:
         assert torch.equal(outs[1][i], torch.zeros_like(outs[1][i]))
-
-
-def _case_fused(shared, suffix_lens, h=4, kvh=2, d=32, alone=(), pads=(), fp8=False,
-                rope=False, prefix_splits=3, splits=4, tol=FP32_TOL):
-    """One launch of the prefix programs and stage 1 against the two launches: the same
-    output, workspace (NaN where neither wrote) and pool, bit for bit; and attention
-    by definition (rows no longer than the prefix, ``alone``, included)."""
-    from types import SimpleNamespace
-    from backend.core.kernels import DecodeRope, decode_workspace_numel
-    from backend.core.layers.rotary import RotaryEmbedding
-    batch = Shared(shared, suffix_lens, h, kvh, d, seed=d + h + len(alone), pads=pads,
-                   fp8=fp8, alone=alone)
-    q, decode_rope = batch.q, None
-    if rope:
-        rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), d, max_positions=512)
-        gen = torch.Generator().manual_seed(7)
-        new_k, new_v = (torch.randn(len(batch.rows), kvh, d, generator=gen) * 0.3
-                        for _ in range(2))
-        decode_rope = DecodeRope(new_k, new_v, batch.positions, rot.cos, rot.sin, batch.loc)
-    runs = {}
-    for fused in (True, False):
-        k, v = batch.k.clone(), batch.v.clone()
-        ws = torch.full((decode_workspace_numel(len(batch.rows), h, d, splits,
-                                                prefix_splits),), float("nan"))
-        out = batch.decode(None, prefix_splits, splits, rope=decode_rope, k=k, v=v,
-                           fused=fused, ws=ws)
-        runs[fused] = (out, ws, k, v)
-    (out, ws, k, v), (out2, ws2, k2, v2) = runs[True], runs[False]
-    assert torch.equal(out, out2)
-    assert ws.isnan().any() and torch.equal(ws.isnan(), ws2.isnan())
-    assert torch.equal(ws.nan_to_num(), ws2.nan_to_num())
-    assert torch.equal(k.float(), k2.float()) and torch.equal(v.float(), v2.float())
-    if rope:  # the reference over the pool as the kernels wrote it, q rotated in torch
-        assert not torch.equal(k.float(), batch.k.float())  # the new K/V were stored
-        batch.k, batch.v = k, v
-        q, _ = rot(batch.positions, batch.q.clone(), new_k.clone())
-    want = batch.reference(q, 0.3)
-    assert (out - want).abs().max().item() < tol
-    for i in pads:
-        assert torch.equal(out[i], torch.zeros_like(out[i]))
 
 
 def _case_engine():
@@ -298,22 +241,6 @@ CASES = {
     "rope": (_case_rope, dict(shared=70, suffix_lens=[1, 9, 33], h=4, kvh=2, d=32, pads=(3,))),
     "rope-gqa4": (_case_rope, dict(shared=40, suffix_lens=[2, 5], h=8, kvh=2, d=64)),
     "rope-fp8": (_case_rope, dict(shared=50, suffix_lens=[2, 5], h=4, kvh=2, d=32, fp8=True)),
-    # the one launch against the two: rows past the prefix, rows shorter than it and as
-    # long as it (alone), padding; GQA groups 1, 3, 4; two row tiles; FP8; rotary
-    "fused-shared70": (_case_fused, dict(shared=70, suffix_lens=[1, 9, 40, 3], pads=(2, 5))),
-    "fused-alone": (_case_fused, dict(shared=45, suffix_lens=[2, 7, 1], h=6, kvh=2,
-                                      alone=((1, 20), (3, 45)), pads=(4,))),
-    "fused-group1": (_case_fused, dict(shared=33, suffix_lens=[5, 1], h=2, kvh=2,
-                                       alone=((1, 33),), splits=1)),
-    "fused-two-row-tiles": (_case_fused, dict(shared=40,
-                                              suffix_lens=[1 + i % 5 for i in range(20)],
-                                              h=8, kvh=2, d=16, alone=((7, 12),), pads=(21,))),
-    "fused-fp8": (_case_fused, dict(shared=60, suffix_lens=[3, 12, 1], fp8=True,
-                                    alone=((2, 60),))),
-    "fused-rope-gqa4": (_case_fused, dict(shared=50, suffix_lens=[2, 5, 9], h=8, kvh=2,
-                                          rope=True, alone=((1, 17), (2, 50)), pads=(3,))),
-    "fused-rope-fp8": (_case_fused, dict(shared=50, suffix_lens=[2, 5], rope=True, fp8=True,
-                                         alone=((1, 31),))),
     "engine": (_case_engine, {}),
 }
 
@@ -321,8 +248,7 @@ CASES = {
 def _worker() -> None:
     from triton.runtime.interpreter import InterpretedFunction
     import backend.core.kernels.decode_prefix as decode_prefix
-    assert isinstance(decode_prefix._decode_prefix_stage1, InterpretedFunction), \
-        "interpreter not active"
+    assert isinstance(decode_prefix._decode_prefix, InterpretedFunction), "interpreter not active"
     sys.path.insert(0, str(REPO / "tests"))
     run_cases(CASES)
 

@@ -25,15 +25,12 @@ its cost stops growing with the context. ``softcap`` as in the extend kernel, an
 an FP8 pool (``k_scale``, ``v_scale``).
 
 Cascade (``shared_prefix``): where the rows share the pool slots of a long prefix (a
-few-shot prompt cached once), prefix programs (``decode_prefix.py``) read that prefix
+few-shot prompt cached once), a third kernel (``decode_prefix.py``) reads that prefix
 once per tile of 64 query rows instead of once per row, and the two stages cover and
-merge the rest. Launch order: one kernel holding both the prefix programs and stage 1's
-(``_decode_prefix_stage1``), then stage 2. The prefix work and stage 1 are independent
-(each rotates q itself; stage 1 stores the new K/V past the prefix) and write disjoint
-workspace lanes, so they share a launch with no order between their programs; with
-dependent launch the fused kernel waits for the kernel before it, and stage 2 for the
-fused kernel. ``SharedPrefix.fused`` False launches them apart (prefix kernel, stage 1,
-stage 2: the reference the fused launch is tested and timed against).
+merge the rest. Launch order: prefix kernel, stage 1, stage 2. The first two are
+independent (each rotates q itself; stage 1 stores the new K/V past the prefix), so the
+order only has to put both before stage 2; with dependent launch each waits for the
+kernel before it, which chains stage 2 after both.
 """
 from __future__ import annotations
 
@@ -43,7 +40,7 @@ import torch
 import triton
 
 from . import pdl
-from .decode_prefix import _decode_prefix, _decode_prefix_stage1
+from .decode_prefix import _decode_prefix
 from .decode_stages import _decode_stage1, _decode_stage2
 from .fused import check_rotary
 from .scales import check_kv_scales
@@ -123,14 +120,11 @@ class SharedPrefix(NamedTuple):
 
     length: int64 [1] on the device, L (a CUDA graph replays with it rewritten: the grid
     never depends on it); num_splits: prefix splits, the prefix kernel's grid's last
-    dimension (``decode_prefix.py``); fused: the prefix programs and stage 1 in one
-    launch (False: two, the reference that tests and tools/gpu/bench_cascade.py
-    compare the fused launch with).
+    dimension (``decode_prefix.py``).
     """
 
     length: torch.Tensor
     num_splits: int
-    fused: bool = True
 
 
 def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
@@ -208,53 +202,38 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     early = pdl.dependent_launch(q.device)
     # the shared prefix's length (placeholder without one: PREFIX_SPLITS=0 never reads it)
     shared = shared_prefix.length if shared_prefix is not None else seq_lens
-    k_scales, v_scales = (k_scale, v_scale) if fp8 else (q, q)
-    # the constants every launch below shares
-    common = dict(GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-                  NUM_SPLITS=num_kv_splits, PREFIX_SPLITS=prefix_splits, BLOCK_D=block_d,
-                  DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
-                  SOFTCAP=softcap > 0, KV_FP8=fp8, PDL=early)
-    block_g = max(16, triton.next_power_of_2(group))
-    pt = prefix_tiles(dot_dtype, head_dim, group)  # the prefix programs' (cascade only)
-    row_tiles = triton.cdiv(batch, pt.block_m // group)
-    if shared_prefix is not None and shared_prefix.fused:
-        # one launch: prefix programs first, then stage 1's (decode_prefix.py); at the
-        # larger of the two tiles' warps and stages, so the prefix tile keeps its own
-        programs = (row_tiles * prefix_splits + batch * num_kv_splits) * num_kv_heads
-        _decode_prefix_stage1[(programs,)](
+    if shared_prefix is not None:
+        pt = prefix_tiles(dot_dtype, head_dim, group)
+        row_tiles = triton.cdiv(batch, pt.block_m // group)
+        _decode_prefix[(row_tiles, num_kv_heads, prefix_splits)](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, shared,
-            work_acc, work_lse, r.positions, r.cos, r.sin, r.k, r.v, r.loc,
-            k_scales, v_scales, sm_scale, softcap, min_split_len, batch,
+            work_acc, work_lse, r.positions, r.cos, r.sin,
+            k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap, batch,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-            r.cos.stride(0), r.sin.stride(0), r.k.stride(0), r.k.stride(1),
-            r.v.stride(0), r.v.stride(1),
-            BLOCK_M=pt.block_m, PREFIX_BLOCK_N=pt.block_n, BLOCK_G=block_g,
-            BLOCK_N=tiles.block_n, **common, num_warps=max(pt.num_warps, tiles.num_warps),
-            num_stages=max(pt.num_stages, tiles.num_stages), launch_pdl=early,
+            r.cos.stride(0), r.sin.stride(0),
+            GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+            PREFIX_SPLITS=prefix_splits, BLOCK_M=pt.block_m, BLOCK_N=pt.block_n,
+            BLOCK_D=block_d, DOT_PRECISION="ieee" if fp32 else "tf32",
+            ROPE=rope is not None, SOFTCAP=softcap > 0, KV_FP8=fp8, PDL=early,
+            num_warps=pt.num_warps, num_stages=pt.num_stages, launch_pdl=early,
         )
-    else:
-        if shared_prefix is not None:  # the two-launch form: the fused one's reference
-            _decode_prefix[(row_tiles, num_kv_heads, prefix_splits)](
-                q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, shared,
-                work_acc, work_lse, r.positions, r.cos, r.sin, k_scales, v_scales,
-                sm_scale, softcap, batch, q.stride(0), q.stride(1), k_buffer.stride(0),
-                k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-                req_to_token.stride(0), r.cos.stride(0), r.sin.stride(0),
-                BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, **common,
-                num_warps=pt.num_warps, num_stages=pt.num_stages, launch_pdl=early,
-            )
-        _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
-            q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, shared,
-            work_acc, work_lse, r.positions, r.cos, r.sin, r.k, r.v, r.loc,
-            k_scales, v_scales, sm_scale, softcap, min_split_len,
-            q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0),
-            k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-            req_to_token.stride(0), r.cos.stride(0), r.sin.stride(0), r.k.stride(0),
-            r.k.stride(1), r.v.stride(0), r.v.stride(1),
-            BLOCK_G=block_g, BLOCK_N=tiles.block_n, WINDOW=window, **common,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=early,
-        )
+    _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
+        q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, shared,
+        work_acc, work_lse,
+        r.positions, r.cos, r.sin, r.k, r.v, r.loc,
+        k_scale if fp8 else q, v_scale if fp8 else q, sm_scale, softcap, min_split_len,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0),
+        k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        r.cos.stride(0), r.sin.stride(0), r.k.stride(0), r.k.stride(1),
+        r.v.stride(0), r.v.stride(1),
+        GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n, BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if fp32 else "tf32", ROPE=rope is not None,
+        WINDOW=window, SOFTCAP=softcap > 0, KV_FP8=fp8,
+        PDL=early, PREFIX_SPLITS=prefix_splits, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, launch_pdl=early,
+    )
     if num_kv_splits + prefix_splits > 1:
         _decode_stage2[(batch, num_heads)](
             work_acc, work_lse, o, seq_lens, shared, min_split_len, o.stride(0), o.stride(1),

@@ -35,40 +35,19 @@ copy: the two launches then depend on nothing of each other's (stage 1's store o
 new K/V lands at position seq_len - 1 >= L, never in the prefix), and no extra buffer or
 ordering is needed. FP8 pools and softcap as in stage 1. Sliding-window layers never
 cascade (their rows do not all see the prefix).
-
-Because the two are independent, ``decode_attention`` launches them as one kernel,
-``_decode_prefix_stage1``: a flat grid of the prefix programs, then stage 1's, each range
-in its own kernel's grid order (B requests, KVH kv heads, P = row_tiles * KVH *
-PREFIX_SPLITS)::
-
-    program p < P:   prefix (tile p % row_tiles, kv head p // row_tiles % KVH,
-                             split p // (row_tiles * KVH))
-    program P + i:   stage 1 (request i % B, kv head i // B % KVH, split i // (B * KVH))
-
-Two launches under dependent launch ran one after the other (each waits for the kernel
-before it); one launch costs a launch less and lets stage 1's programs fill the SMs the
-prefix programs leave. The prefix programs go first: they are the longer ones. The one
-kernel has one register count and one warp count: the larger of the two tiles' (8 warps
-for the 8B shape, the prefix tile's), so stage 1's programs run with the prefix's
-footprint. The bodies are jit functions (``_prefix_program`` here, ``_stage1_program`` in
-``decode_stages.py``) that the fused kernel and the standalone ones call alike:
-``_decode_stage1`` stays the non-cascade kernel, and ``_decode_prefix`` followed by it
-(``SharedPrefix.fused`` False) is the two-launch reference the tests and
-tools/gpu/bench_cascade.py compare with.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .decode_stages import NEG_FLOOR, _stage1_program
+from .decode_stages import NEG_FLOOR
 from .extend_attention import _scores
 from .pdl import await_previous_kernel
 
 
 @triton.jit
-def _prefix_program(
-    tile, kv_head, split,
+def _decode_prefix(
     Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
     Pos, Cos, Sin, KScale, VScale, sm_scale, softcap, batch,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
@@ -76,11 +55,13 @@ def _prefix_program(
     GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The prefix work of (row tile, kv head, prefix split): ``_decode_prefix`` runs one
-    per program, ``_decode_prefix_stage1`` one per program of its first range. The
-    caller has already waited (pdl.py)."""
+    if PDL:  # launched early (pdl.py): q is the previous kernel's
+        await_previous_kernel()
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     REQS: tl.constexpr = BLOCK_M // GROUP  # whole requests per tile
     k_scale = 1.0
     v_scale = 1.0
@@ -160,75 +141,3 @@ def _prefix_program(
     ws_row = (req * NUM_HEADS + heads) * (NUM_SPLITS + PREFIX_SPLITS) + NUM_SPLITS + split
     tl.store(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=qmask)
     tl.store(WorkLse + ws_row, lse, mask=takes_part)
-
-
-@triton.jit
-def _decode_prefix(
-    Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
-    Pos, Cos, Sin, KScale, VScale, sm_scale, softcap, batch,
-    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
-    stride_cos, stride_sin,
-    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
-):
-    """The prefix work alone, grid (row tiles, kv heads, PREFIX_SPLITS): the two-launch
-    form (``SharedPrefix.fused`` False), kept as the fused launch's reference."""
-    if PDL:  # launched early (pdl.py): q is the previous kernel's
-        await_previous_kernel()
-    _prefix_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
-        Pos, Cos, Sin, KScale, VScale, sm_scale, softcap, batch,
-        stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
-        stride_cos, stride_sin, GROUP, NUM_HEADS, HEAD_DIM, NUM_SPLITS, PREFIX_SPLITS,
-        BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, ROPE, SOFTCAP, KV_FP8,
-    )
-
-
-@triton.jit
-def _decode_prefix_stage1(
-    Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
-    Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale, sm_scale, softcap, min_split_len, batch,
-    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
-    stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb, stride_vnh,
-    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-    PREFIX_BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-    SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
-):
-    """The prefix programs and cascade stage 1's in one launch (module docstring): a flat
-    grid of row_tiles * KVH * PREFIX_SPLITS prefix programs, then batch * KVH * NUM_SPLITS
-    stage-1 programs, each range in its kernel's grid order. The prefix programs come
-    first: they are the long ones, and the GPU in practice starts low program ids first."""
-    tl.static_assert(PREFIX_SPLITS > 0, "the fused launch is cascade's only")
-    if PDL:  # launched early (pdl.py): q and the new K/V are the previous kernel's
-        await_previous_kernel()
-    KV_HEADS: tl.constexpr = NUM_HEADS // GROUP
-    pid = tl.program_id(0)
-    row_tiles = tl.cdiv(batch, BLOCK_M // GROUP)  # as the host sizes the grid
-    prefix_programs = row_tiles * KV_HEADS * PREFIX_SPLITS
-    if pid < prefix_programs:
-        _prefix_program(
-            pid % row_tiles, (pid // row_tiles) % KV_HEADS, pid // (row_tiles * KV_HEADS),
-            Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
-            Pos, Cos, Sin, KScale, VScale, sm_scale, softcap, batch,
-            stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
-            stride_cos, stride_sin, GROUP, NUM_HEADS, HEAD_DIM, NUM_SPLITS, PREFIX_SPLITS,
-            BLOCK_M, PREFIX_BLOCK_N, BLOCK_D, DOT_PRECISION, ROPE, SOFTCAP, KV_FP8,
-        )
-    else:
-        i = pid - prefix_programs
-        # cascade stage 1 never writes o (stage 2 writes every row): q stands in for it;
-        # WINDOW 0: sliding-window layers never cascade
-        _stage1_program(
-            i % batch, (i // batch) % KV_HEADS, i // (batch * KV_HEADS),
-            Q, Q, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
-            Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale, sm_scale, softcap, min_split_len,
-            stride_qb, stride_qh, stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs,
-            stride_vbh, stride_rt, stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb,
-            stride_vnh, GROUP, NUM_HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_G, BLOCK_N, BLOCK_D,
-            DOT_PRECISION, ROPE, 0, SOFTCAP, KV_FP8, PREFIX_SPLITS,
-        )

@@ -33,10 +33,6 @@ splits with its prefix partials and writes every row::
 
     workspace row of (b, head):  | suffix splits 0 .. NUM_SPLITS-1 | prefix 0 .. P-1 |
 
-Cascaded, stage 1's programs run in the prefix kernel's launch (``decode_prefix.py``'s
-``_decode_prefix_stage1``), which is why its body is a jit function of the program's
-(request, kv head, split), ``_stage1_program``, apart from the ``_decode_stage1`` grid.
-
 With ``ROPE`` stage 1 also applies the rotary embedding to q and writes the new token's
 rotated K and its V to the pool. With ``WINDOW`` W > 0 (a sliding-window layer) the
 splits divide ``max(0, seq_len - W) .. seq_len - 1`` instead of the whole row. ``SOFTCAP``
@@ -46,8 +42,7 @@ before they are stored.
 
 Kept apart from the launch (``decode_attention.py``: argument checks, workspace, tiles):
 this is the file to read for the algorithm and its index arithmetic, and the kernels'
-names are the ones profiles show (``_decode_stage1``, ``_decode_stage2``; cascaded,
-``_decode_prefix_stage1`` in stage 1's place).
+names are the ones profiles show (``_decode_stage1``, ``_decode_stage2``).
 """
 from __future__ import annotations
 
@@ -80,8 +75,7 @@ def _row_chunk(SeqLens, PrefixLen, b, min_split_len, WINDOW: tl.constexpr,
 
 
 @triton.jit
-def _stage1_program(
-    b, kv_head, split,
+def _decode_stage1(
     Q, O, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
     Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale,
     sm_scale, softcap, min_split_len,
@@ -91,16 +85,18 @@ def _stage1_program(
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
-    PREFIX_SPLITS: tl.constexpr,
+    PDL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
 ):
-    """Stage 1's work for (request b, kv head, split): ``_decode_stage1`` runs one per
-    program, the cascade's fused launch (``decode_prefix._decode_prefix_stage1``) one per
-    program past its prefix programs. The caller has already waited (pdl.py)."""
+    if PDL:  # launched early (pdl.py): q and the new K/V are the previous kernel's
+        await_previous_kernel()
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
     k_scale = 1.0
     v_scale = 1.0
     if KV_FP8:
         k_scale = tl.load(KScale + kv_head)
         v_scale = tl.load(VScale + kv_head)
+    split = tl.program_id(2)
 
     seq_len, first, n_kv, chunk = _row_chunk(SeqLens, PrefixLen, b, min_split_len, WINDOW,
                                              NUM_SPLITS, PREFIX_SPLITS, BLOCK_N)
@@ -201,33 +197,6 @@ def _stage1_program(
         tl.store(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=ws_mask[:, None] & d_mask[None, :])
         tl.store(WorkLse + ws_row, lse, mask=ws_mask)
-
-
-@triton.jit
-def _decode_stage1(
-    Q, O, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
-    Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale,
-    sm_scale, softcap, min_split_len,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-    stride_rt, stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb, stride_vnh,
-    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
-    PDL: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-):
-    """Grid (batch, kv heads, NUM_SPLITS): one ``_stage1_program`` each."""
-    if PDL:  # launched early (pdl.py): q and the new K/V are the previous kernel's
-        await_previous_kernel()
-    _stage1_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        Q, O, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
-        Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale, sm_scale, softcap, min_split_len,
-        stride_qb, stride_qh, stride_ob, stride_oh, stride_kbs, stride_kbh, stride_vbs,
-        stride_vbh, stride_rt, stride_cos, stride_sin, stride_knb, stride_knh, stride_vnb,
-        stride_vnh, GROUP, NUM_HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_G, BLOCK_N, BLOCK_D,
-        DOT_PRECISION, ROPE, WINDOW, SOFTCAP, KV_FP8, PREFIX_SPLITS,
-    )
 
 
 @triton.jit

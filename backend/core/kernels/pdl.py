@@ -13,9 +13,8 @@ the launch attribute. A kernel launched normally after one with the attribute wa
 it in full, as before.
 
 Launched this way on sm_90: the matrix-vector products (``gemv.py``, ``fp8_gemv.py``'s
-one-program-a-tile kernel) and both decode attention stages (cascaded, the prefix
-programs with stage 1 in one launch); for the batched decode rows, the few-row GEMM
-(``small_gemm.py``, which prefetches the chunks its pipeline
+one-program-a-tile kernel) and both decode attention stages; for the FP8 batched decode
+rows, the few-row GEMM (``small_gemm.py``, which prefetches the chunks its pipeline
 copies first) and the activation quantizers before it (``fp8_quant.per_token_quant``,
 ``fp8_fused_quant``'s RMSNorm, which reads its weight before the wait, and SiLU-and-mul).
 On an H100 the 8B shape's batch-1 step went 3.559 -> 3.490 ms with FP8 weights and
