@@ -64,6 +64,14 @@ def test_it_takes_cuda_half_batches_of_two_rows_up_to_the_limit_only():
     assert [basic.small_gemm_rows(x, w, None) for x in meta] == [False] * 4  # not CUDA
 
 
+def test_it_takes_two_to_64_rows_of_projections_at_least_as_wide_as_deep():
+    from backend.core.layers.basic import small_gemm_shape
+    qkv, o, down, lm_head = (6144, 4096), (4096, 4096), (4096, 14336), (128256, 4096)
+    assert [small_gemm_shape(r, *qkv) for r in (1, 2, 32, 64, 65, 128)] == \
+        [False, True, True, True, False, False]
+    assert [small_gemm_shape(8, *w) for w in (qkv, o, down, lm_head)] == [True, True, False, True]
+
+
 def test_wrong_operands_are_refused():
     from backend.core.kernels.small_gemm import half_small_gemm
     with pytest.raises(AssertionError, match="one dtype"):

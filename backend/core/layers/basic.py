@@ -22,7 +22,7 @@ from .fp8_linear import Fp8Linear
 
 FP8_LINEARS = (Fp8Linear, Fp8BlockLinear)  # the float8 layers, one call interface
 # Rows up to which half-precision products take kernels/small_gemm.py instead of cuBLAS
-SMALL_GEMM_MAX_ROWS = 128
+SMALL_GEMM_MAX_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -59,11 +59,21 @@ def project(proj: nn.Module, x: torch.Tensor, fuse_rows: bool) -> torch.Tensor:
 
 def small_gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``kernels/small_gemm.py``'s half-precision GEMM takes this product: a CUDA
-    batch of 2 to SMALL_GEMM_MAX_ROWS rows of the weight's dtype, where it beat cuBLAS
-    (``tools/gpu/half_small_gemm_checks.py``)."""
-    return (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= SMALL_GEMM_MAX_ROWS
+    batch of 2 to SMALL_GEMM_MAX_ROWS rows of the weight's dtype, by a weight at least as
+    wide as it is deep. That is where it beat cuBLAS on an H100
+    (``tools/gpu/half_small_gemm_checks.py``, docs/benchmarks/half_small_gemm_gpu.json):
+    1.04-1.20x on the 8B qkv and o projections at 8 to 32 rows and 1.05-1.08x on the LM
+    head; the down projections (K 3.5-4x N: 32 to 64 programs for 132 SMs) lost up to
+    0.84x on the 1B shape, and past 64 rows a second tile of rows reads the weight twice
+    (0.63x on the 8B gate-up projection at 128)."""
+    return (x.is_cuda and x.dim() == 2 and small_gemm_shape(x.shape[0], *weight.shape)
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype))
+
+
+def small_gemm_shape(rows: int, n: int, k: int) -> bool:
+    """The shapes of ``small_gemm_rows``: 2 to SMALL_GEMM_MAX_ROWS rows, N >= K."""
+    return 2 <= rows <= SMALL_GEMM_MAX_ROWS and n >= k
 
 
 def rows_fusable(x: torch.Tensor, *params: torch.Tensor) -> bool:
