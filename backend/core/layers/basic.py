@@ -67,6 +67,7 @@ def small_gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     0.84x on the 1B shape, and past 64 rows a second tile of rows reads the weight twice
     (0.63x on the 8B gate-up projection at 128)."""
     return (x.is_cuda and x.dim() == 2 and small_gemm_shape(x.shape[0], *weight.shape)
+            and x.stride(1) == 1 and weight.stride(1) == 1  # the kernel's K-major operands
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype))
 
