@@ -4,7 +4,7 @@
 
 Triton hands the stub one request per ``execute`` call and each response leaves through
 a sender thread, so over a burst of N requests both costs add up serially. This runs the
-real code paths (``TritonPythonModel.execute`` with ``wire.parse_request`` and
+real code paths (``TritonPythonModel.execute`` with ``wire.RequestParser`` and
 ``EngineLoop.submit`` in front of an ``EngineProcess``'s submission queue, then the
 writer's encoding of the queued messages; ``Router.deliver_delta`` building each
 request's streamed response and ``TritonResponseSink.send``) over stand-ins for
@@ -122,6 +122,7 @@ def _engine_process_queue():
 
 
 def _model(engine):
+    from backend import wire
     from backend.diagnostics import IpcCounts
     from backend.model import TritonPythonModel
     from backend.serving import EngineLoop
@@ -129,7 +130,7 @@ def _model(engine):
 
     model = TritonPythonModel.__new__(TritonPythonModel)
     model.ipc = IpcCounts()
-    model.limits = RequestLimits()
+    model.parser = wire.RequestParser(RequestLimits())
     model.request_timeout_s = 0.0
     model.logger = sys.modules["triton_python_backend_utils"].Logger
     model.loop = EngineLoop(engine, ipc_counts=model.ipc)  # its threads never start
