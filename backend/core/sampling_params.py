@@ -167,8 +167,9 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """The fields that differ from their defaults, by name (``from_dict`` takes it
         back): the form these parameters cross a process boundary in."""
+        values = self.__dict__  # read directly: this runs for every request submitted
         return {name: value for name, default in _defaults(type(self)).items()
-                if (value := getattr(self, name)) != default}
+                if (value := values[name]) is not default and value != default}
 
     @property
     def is_greedy(self) -> bool:
