@@ -208,7 +208,11 @@ class EngineProcess:
         if self._dead is not None:
             raise EngineProcessDied(self._dead)
         self._outq.append(msg)  # no lock: deque appends are atomic
-        self._out_ready.set()
+        # Set only when clear: a set flag means the writer has not yet cleared it, and
+        # it drains the queue (this message included) after clearing. Setting takes
+        # the event's lock, once per request in a burst otherwise.
+        if not self._out_ready.is_set():
+            self._out_ready.set()
 
     def _write(self) -> None:
         queued = self._outq

@@ -119,6 +119,8 @@ Message = (Start | Attach | Ready | StartFailed | Generate | Score | Abort | Que
 KINDS: dict[str, type] = {cls.__name__: cls for cls in (
     Start, Attach, Ready, StartFailed, Generate, Score, Abort, Query, Reply, Leave, Left,
     Outputs, StepFailed)}
+_FIELD_NAMES = {kind: tuple(f.name for f in dataclasses.fields(cls))
+                for kind, cls in KINDS.items()}
 
 # ---- StepOutput columns ------------------------------------------------------------------
 
@@ -173,8 +175,8 @@ def to_plain(msg) -> dict:
     if KINDS.get(kind) is not type(msg):
         raise ProtocolError(f"not a protocol message: {type(msg).__name__}")
     plain = {"kind": kind}
-    for f in dataclasses.fields(msg):
-        plain[f.name] = getattr(msg, f.name)
+    for name in _FIELD_NAMES[kind]:  # dataclasses.fields rebuilds its tuple every call
+        plain[name] = getattr(msg, name)
     if isinstance(msg, Outputs):
         plain["outputs"] = _outputs_to_columns(msg.outputs)
     return plain

@@ -73,7 +73,7 @@ class TritonPythonModel:
         search_dirs = [model_dir, model_dir.parent, model_dir.parent.parent, PROJECT_ROOT]
         config = engine_config_from_parameters(parameters, search_dirs)
         self.request_timeout_s = request_timeout_s(parameters)
-        self.limits = config.limits
+        self.parser = wire.RequestParser(config.limits)
         self.logger = pb_utils.Logger
         self._check_model_info(parameters, search_dirs)
         if args.get("model_instance_kind") == "GPU" and config.device == "cuda":
@@ -218,8 +218,7 @@ class TritonPythonModel:
                     self.loop.inject_fault("fault injected by a debug request")
                     sink.send_error("fault injected: the engine loop will die")
                     continue
-                job = wire.parse_request(read_inputs(request), parameters, sink.wanted,
-                                         self.limits)
+                job = self.parser.parse(read_inputs(request), parameters, sink.wanted)
             except wire.InputError as exc:
                 sink.send_error(str(exc))
                 continue

@@ -1,7 +1,7 @@
 """The serving loop, independent of Triton: requests in through an ``EngineHandle``,
 responses out through each request's ``ResponseSink``.
 
-``model.py`` turns each Triton request into a job (``wire.parse_request``) and a sink
+``model.py`` turns each Triton request into a job (``wire.RequestParser``) and a sink
 (its response sender); ``EngineLoop.submit`` hands the job to the engine handle. One
 background thread takes each ``OutputBatch`` from the handle (with the engine in this
 process, taking it runs the step) and routes every output to its request

@@ -228,37 +228,77 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any
                   limits: RequestLimits | None = None) -> Job:
     """Turn one request's tensors and parameters into a job; raises ``InputError``.
     ``requested``: the output names the request names (None: none named)."""
-    special = _special(parameters)
-    if special is not None:
-        return special
-    limits = limits or RequestLimits()
-    if CHOICES in inputs:
-        choices = _json(_text(inputs[CHOICES], CHOICES), CHOICES)
-        if not (isinstance(choices, list) and choices
-                and all(isinstance(c, str) and c for c in choices)):
-            raise InputError(f"'{CHOICES}' must be a JSON list of non-empty strings")
+    return RequestParser(limits or RequestLimits(), remembered=0).parse(
+        inputs, parameters, requested)
+
+
+class RequestParser:
+    """``parse_request`` for one model instance, remembering the sampling parameters of
+    up to ``remembered`` recent requests. A burst from one client repeats the same keys
+    request after request, and building and validating ``SamplingParams`` was the larger
+    part of the stub's Python per request taken in. Only parameters whose values are all
+    scalars are remembered, by key, type and value (``0`` and ``False`` stay apart); a
+    request whose parameters fail is refused with the same message every time. The
+    engine never changes a request's ``SamplingParams`` (the samples of a request share
+    one already), so requests may share one."""
+
+    def __init__(self, limits: RequestLimits, remembered: int = 256) -> None:
+        self.limits = limits
+        self._remembered = remembered
+        self._params: dict[tuple, SamplingParams] = {}
+
+    def parse(self, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
+              requested: frozenset[str] | None = None) -> Job:
+        special = _special(parameters)
+        if special is not None:
+            return special
+        if CHOICES in inputs:
+            choices = _json(_text(inputs[CHOICES], CHOICES), CHOICES)
+            if not (isinstance(choices, list) and choices
+                    and all(isinstance(c, str) and c for c in choices)):
+                raise InputError(f"'{CHOICES}' must be a JSON list of non-empty strings")
+            try:
+                self.limits.check_choices(choices)
+            except ValueError as exc:
+                raise InputError(str(exc)) from exc
+            return ScoreJob(prompt=_prompt(inputs, allow_empty=True), choices=choices)
+        prompt = _prompt(inputs)
+        stream = bool(_flag(inputs, parameters, STREAM))
+        exclude = _flag(inputs, parameters, EXCLUDE_INPUT_IN_OUTPUT)
+        # vLLM-backend default: a streamed answer leaves the prompt out, a whole one has it.
+        prepend_input = (not stream) if exclude is None else not exclude
+        if stream and prepend_input:
+            raise InputError(f"when streaming, {EXCLUDE_INPUT_IN_OUTPUT} = false is not allowed")
+        outputs = _outputs(inputs, parameters, requested)
         try:
-            limits.check_choices(choices)
-        except ValueError as exc:
+            params = self._sampling_params(_sampling_dict(inputs, parameters),
+                                           CUMULATIVE_LOGPROB in outputs)
+        except (ValueError, TypeError) as exc:
             raise InputError(str(exc)) from exc
-        return ScoreJob(prompt=_prompt(inputs, allow_empty=True), choices=choices)
-    prompt = _prompt(inputs)
-    stream = bool(_flag(inputs, parameters, STREAM))
-    exclude = _flag(inputs, parameters, EXCLUDE_INPUT_IN_OUTPUT)
-    # vLLM-backend default: a streamed answer leaves the prompt out, a whole one has it.
-    prepend_input = (not stream) if exclude is None else not exclude
-    if stream and prepend_input:
-        raise InputError(f"when streaming, {EXCLUDE_INPUT_IN_OUTPUT} = false is not allowed")
-    outputs = _outputs(inputs, parameters, requested)
-    try:
-        params = from_request(_sampling_dict(inputs, parameters))
-        if CUMULATIVE_LOGPROB in outputs:
+        if stream and params.num_samples > params.n:
+            raise InputError(f"best_of ({params.best_of}) > n ({params.n}) is not supported "
+                             "when streaming: the best samples are known only at the end")
+        return GenerateJob(prompt=prompt, params=params, stream=stream,
+                           prepend_input=prepend_input, outputs=outputs)
+
+    def _sampling_params(self, merged: dict, cumulative: bool) -> SamplingParams:
+        if not self._remembered:
+            return self._checked_params(merged, cumulative)
+        key = (cumulative, *((k, v.__class__, v) for k, v in merged.items()))
+        try:
+            params = self._params.get(key)
+        except TypeError:  # a list or an object among the values: not remembered
+            return self._checked_params(merged, cumulative)
+        if params is None:
+            params = self._checked_params(merged, cumulative)
+            if len(self._params) >= self._remembered:
+                self._params.clear()  # a client varying its values: start over
+            self._params[key] = params
+        return params
+
+    def _checked_params(self, merged: dict, cumulative: bool) -> SamplingParams:
+        params = from_request(merged)
+        if cumulative:
             params = dataclasses.replace(params, cumulative_logprob=True)
-        limits.check(params)
-    except (ValueError, TypeError) as exc:
-        raise InputError(str(exc)) from exc
-    if stream and params.num_samples > params.n:
-        raise InputError(f"best_of ({params.best_of}) > n ({params.n}) is not supported when "
-                         "streaming: the best samples are known only at the end")
-    return GenerateJob(prompt=prompt, params=params, stream=stream,
-                       prepend_input=prepend_input, outputs=outputs)
+        self.limits.check(params)
+        return params

@@ -233,6 +233,29 @@ def test_limits_bound_the_request_at_parse_time():
                            limits=limits)
 
 
+def test_the_stubs_parser_remembers_sampling_parameters_only_where_that_changes_nothing():
+    from backend.core.limits import RequestLimits
+
+    parser = wire.RequestParser(RequestLimits(max_tokens=50))
+    prompt = {"input_ids": np.array([1, 2], dtype=np.int64)}
+    first = parser.parse(prompt, {"max_tokens": 8, "temperature": 0})
+    again = parser.parse(prompt, {"max_tokens": 8, "temperature": 0})
+    assert again.params is first.params  # a burst's repeated keys are parsed once
+    # equal values of another type are another request: False is no temperature
+    with pytest.raises(wire.InputError, match="temperature must be a number"):
+        parser.parse(prompt, {"max_tokens": 8, "temperature": False})
+    for _ in range(2):  # a refused request is refused every time
+        with pytest.raises(wire.InputError, match="max_tokens is 51"):
+            parser.parse(prompt, {"max_tokens": 51})
+    # the cumulative_logprob output asks the engine for logprobs: not the same parameters
+    asked = parser.parse(prompt, {"max_tokens": 8, "temperature": 0,
+                                  "return_cumulative_logprob": True})
+    assert asked.params.cumulative_logprob and not first.params.cumulative_logprob
+    stops = parser.parse(prompt, {"max_tokens": 8, "stop": ["x"]})  # lists: parsed each time
+    assert stops.params.stop == ["x"]
+    assert parser.parse(prompt, {"max_tokens": 8, "stop": ["x"]}).params is not stops.params
+
+
 def test_a_scoring_request_may_have_an_empty_prompt_and_the_generate_id_is_not_a_key():
     assert parse(choices=text('["a", "b"]')) == wire.ScoreJob("", ["a", "b"])
     assert parse({"id": "42", "max_tokens": 3}, text_input=text("a")).params.max_new_tokens == 3
