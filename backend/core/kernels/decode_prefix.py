@@ -41,8 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_stages import NEG_FLOOR
-from .extend_attention import _scores
+from .decode_stages import attend_positions
 from .pdl import await_previous_kernel
 
 
@@ -110,28 +109,10 @@ def _decode_prefix(
     else:
         q = q.to(KBuf.dtype.element_ty)
 
-    m_i = tl.full([BLOCK_M], NEG_FLOOR, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slots = tl.load(ReqToToken + first_row * stride_rt + offs_n, mask=n_mask,
-                        other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
-        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, softcap,
-                     SOFTCAP)
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_positions(
+        q, ReqToToken + first_row * stride_rt, start, end, KBuf, VBuf, kv_head, stride_kbs,
+        stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap, SOFTCAP,
+        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
     # an empty split (l == 0) writes acc 0 and lse NEG_FLOOR: stage 2 weighs it 0
     has_kv = l_i > 0.0

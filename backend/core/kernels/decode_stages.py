@@ -75,6 +75,41 @@ def _row_chunk(SeqLens, PrefixLen, b, min_split_len, WINDOW: tl.constexpr,
 
 
 @triton.jit
+def attend_positions(q, slot_row, start, end, KBuf, VBuf, kv_head, stride_kbs, stride_kbh,
+                     stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap,
+                     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Online softmax of ``ROWS`` query rows ``q`` (already scaled for the dtype of the
+    pool) over the positions ``start .. end - 1`` of one request's row of pool slots
+    (``slot_row``: its row of ReqToToken), BLOCK_N positions a step: the running max
+    ``m_i`` (log2 units), the sum of weights ``l_i`` and the unnormalised output ``acc``.
+    Stage 1 and the cascade prefix kernel (decode_prefix.py) share it; it is inlined,
+    so each compiles as before."""
+    m_i = tl.full([ROWS], NEG_FLOOR, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(slot_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, softcap,
+                     SOFTCAP)
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_stage1(
     Q, O, KBuf, VBuf, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, WorkAcc, WorkLse,
     Pos, Cos, Sin, KNew, VNew, Loc, KScale, VScale,
@@ -154,27 +189,10 @@ def _decode_stage1(
     else:
         q = q.to(KBuf.dtype.element_ty)
 
-    m_i = tl.full([BLOCK_G], NEG_FLOOR, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
-        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, softcap,
-                     SOFTCAP)
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_positions(
+        q, ReqToToken + row * stride_rt, start, end, KBuf, VBuf, kv_head, stride_kbs,
+        stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap, SOFTCAP,
+        DOT_PRECISION, BLOCK_G, BLOCK_N, BLOCK_D)
 
     # a non-empty split has l >= 1 (its max key scores exp2(0)); a row with no key has
     # l == 0 and gets a 0 output
