@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_stages import attend_positions
+from .decode_stages import attend_positions, split_lse
 from .pdl import await_previous_kernel
 
 
@@ -108,16 +108,11 @@ def _decode_prefix(
         sm_scale = sm_scale * k_scale
     else:
         q = q.to(KBuf.dtype.element_ty)
-
-    m_i, l_i, acc = attend_positions(
+    acc, m_i, l_i = attend_positions(
         q, ReqToToken + first_row * stride_rt, start, end, KBuf, VBuf, kv_head, stride_kbs,
-        stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap, SOFTCAP,
-        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
-
-    # an empty split (l == 0) writes acc 0 and lse NEG_FLOOR: stage 2 weighs it 0
-    has_kv = l_i > 0.0
-    acc = acc * (v_scale / tl.where(has_kv, l_i, 1.0))[:, None]
-    lse = m_i + tl.log2(tl.where(has_kv, l_i, 1.0))
+        stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap, v_scale,
+        SOFTCAP, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+    lse = split_lse(m_i, l_i)
     # workspace rows ((b * H + head) * (NUM_SPLITS + PREFIX_SPLITS) + NUM_SPLITS + split)
     ws_row = (req * NUM_HEADS + heads) * (NUM_SPLITS + PREFIX_SPLITS) + NUM_SPLITS + split
     tl.store(WorkAcc + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=qmask)

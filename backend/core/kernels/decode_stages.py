@@ -76,15 +76,18 @@ def _row_chunk(SeqLens, PrefixLen, b, min_split_len, WINDOW: tl.constexpr,
 
 @triton.jit
 def attend_positions(q, slot_row, start, end, KBuf, VBuf, kv_head, stride_kbs, stride_kbh,
-                     stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap,
+                     stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap, v_scale,
                      SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Online softmax of ``ROWS`` query rows ``q`` (already scaled for the dtype of the
-    pool) over the positions ``start .. end - 1`` of one request's row of pool slots
-    (``slot_row``: its row of ReqToToken), BLOCK_N positions a step: the running max
-    ``m_i`` (log2 units), the sum of weights ``l_i`` and the unnormalised output ``acc``.
-    Stage 1 and the cascade prefix kernel (decode_prefix.py) share it; it is inlined,
-    so each compiles as before."""
+    """Attention of ``ROWS`` query rows ``q`` (in the pool's dtype; a float8 pool's K
+    scale already in ``sm_scale``, its V scale is ``v_scale``) over the positions ``start .. end - 1`` of
+    one request's row of pool slots (``slot_row``: its row of ReqToToken), by online
+    softmax, BLOCK_N positions a step: the split's normalised output ``acc``, its running
+    max ``m_i`` (log2 units) and sum of weights ``l_i`` (``split_lse`` makes them stage 2's
+    weight). An empty split (l == 0) gives acc 0 and lse NEG_FLOOR, which stage 2 weighs
+    0; a non-empty one has l >= 1 (its max key scores exp2(0)). Stage 1
+    and the cascade prefix kernel (decode_prefix.py) share it; it is inlined, so each
+    compiles as it did with the loop written out."""
     m_i = tl.full([ROWS], NEG_FLOOR, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -106,7 +109,14 @@ def attend_positions(q, slot_row, start, end, KBuf, VBuf, kv_head, stride_kbs, s
                     mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    return m_i, l_i, acc
+    acc = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+    return acc, m_i, l_i
+
+
+@triton.jit
+def split_lse(m_i, l_i):
+    """A split's log2-sum-exp from ``attend_positions``'s ``m_i`` and ``l_i``."""
+    return m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))
 
 
 @triton.jit
@@ -188,23 +198,18 @@ def _decode_stage1(
         sm_scale = sm_scale * k_scale
     else:
         q = q.to(KBuf.dtype.element_ty)
-
-    m_i, l_i, acc = attend_positions(
+    # a row with no key gets a 0 output
+    acc, m_i, l_i = attend_positions(
         q, ReqToToken + row * stride_rt, start, end, KBuf, VBuf, kv_head, stride_kbs,
-        stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap, SOFTCAP,
-        DOT_PRECISION, BLOCK_G, BLOCK_N, BLOCK_D)
-
-    # a non-empty split has l >= 1 (its max key scores exp2(0)); a row with no key has
-    # l == 0 and gets a 0 output
-    has_kv = l_i > 0.0
-    acc = acc * (v_scale / tl.where(has_kv, l_i, 1.0))[:, None]
+        stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, sm_scale, softcap, v_scale,
+        SOFTCAP, DOT_PRECISION, BLOCK_G, BLOCK_N, BLOCK_D)
     if PREFIX_SPLITS == 0:  # with a prefix, stage 2 merges it into every row: no one pass
         o_ptr = O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         o_rows = tl.where(one_pass & (split == 0), GROUP, 0)
         tl.store(o_ptr, acc.to(O.dtype.element_ty),
                  mask=(offs_g < o_rows)[:, None] & d_mask[None, :])
     if NUM_SPLITS + PREFIX_SPLITS > 1:
-        lse = m_i + tl.log2(tl.where(has_kv, l_i, 1.0))
+        lse = split_lse(m_i, l_i)
         # workspace rows: ((b * H + head) * (NUM_SPLITS + PREFIX_SPLITS) + split), used
         # splits only; the prefix kernel's come after a row's NUM_SPLITS
         ws_row = (b.to(tl.int64) * NUM_HEADS + heads) * (NUM_SPLITS + PREFIX_SPLITS) + split
