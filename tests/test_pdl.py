@@ -20,8 +20,40 @@ from sm90_compile import compile_for_h200
 
 def test_nothing_is_launched_early_off_the_gpu():
     from backend.core.kernels import pdl
-    assert pdl.dependent_launch(torch.device("cpu")) is False
-    assert pdl.dependent_launch("cpu") is False
+    for family in pdl.FAMILIES:
+        assert pdl.dependent_launch(torch.device("cpu"), family) is False
+        assert pdl.dependent_launch("cpu", family) is False
+
+
+def test_by_default_only_the_few_row_gemm_and_its_quantizers_launch_early(monkeypatch):
+    # an H200 ran the 8B bf16 batch-1 row 10% slower with the matrix-vector products and
+    # the attention stages launched early (pdl.py)
+    from backend.core.kernels import pdl
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    assert pdl.enabled_families() == {pdl.FEW_ROW_GEMM}
+    monkeypatch.setenv(pdl.ENV, "  ")
+    assert pdl.enabled_families() == {pdl.FEW_ROW_GEMM}
+
+
+@pytest.mark.parametrize("value, families", [
+    ("all", {"matrix-vector", "decode-attention", "few-row-gemm"}),
+    ("none", set()),
+    ("matrix-vector", {"matrix-vector"}),
+    (" decode-attention , few-row-gemm,", {"decode-attention", "few-row-gemm"}),
+])
+def test_the_environment_names_the_families_that_launch_early(monkeypatch, value, families):
+    from backend.core.kernels import pdl
+    monkeypatch.setenv(pdl.ENV, value)
+    assert pdl.enabled_families() == families
+
+
+def test_an_unknown_family_is_refused_with_the_names_it_takes(monkeypatch):
+    from backend.core.kernels import pdl
+    monkeypatch.setenv(pdl.ENV, "gemv")
+    with pytest.raises(ValueError, match="unknown \\['gemv'\\].*matrix-vector, decode-attention"):
+        pdl.enabled_families()
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        pdl.dependent_launch.__wrapped__("cpu", "gemv")
 
 
 def _before_and_after_wait(ptx: str) -> tuple[str, str]:

@@ -199,7 +199,7 @@ def decode_attention(q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
     window = max(0, int(window))
     # programmatic dependent launch (pdl.py): each stage starts while the kernel before
     # it ends and waits for it before reading anything
-    early = pdl.dependent_launch(q.device)
+    early = pdl.dependent_launch(q.device, pdl.DECODE_ATTENTION)
     # the shared prefix's length (placeholder without one: PREFIX_SPLITS=0 never reads it)
     shared = shared_prefix.length if shared_prefix is not None else seq_lens
     if shared_prefix is not None:

@@ -109,7 +109,7 @@ def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
         residual = res_out = x  # unused: HAS_RESIDUAL=False compiles their accesses away
     if rows:
         block = triton.next_power_of_2(n)
-        early = pdl.dependent_launch(x.device)
+        early = pdl.dependent_launch(x.device, pdl.FEW_ROW_GEMM)
         _rmsnorm_quant_kernel[(rows,)](
             x, residual, weight, res_out, q, scale,
             x.stride(0), residual.stride(0), res_out.stride(0), q.stride(0),
@@ -126,7 +126,7 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = _outputs(rows, inter, gate_up.device)
     if rows:
         block = triton.next_power_of_2(inter)
-        early = pdl.dependent_launch(gate_up.device)
+        early = pdl.dependent_launch(gate_up.device, pdl.FEW_ROW_GEMM)
         _silu_mul_quant_kernel[(rows,)](gate_up, q, scale, gate_up.stride(0), q.stride(0),
                                         inter, FP8_MAX, MIN_SCALE, BLOCK=block, PDL=early,
                                         num_warps=max(4, min(16, block // 1024)),

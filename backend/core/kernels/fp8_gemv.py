@@ -209,7 +209,7 @@ def _launch(prologue, x, weight, scale, block, bias, res=None, norm_weight=None,
             res_out=None, config=None, counters=None):
     n, k = weight.shape
     rows = x.shape[0]
-    early = pdl.dependent_launch(x.device)
+    early = pdl.dependent_launch(x.device, pdl.MATRIX_VECTOR)
     assert 0 < rows <= MAX_ROWS, f"{rows} rows: the FP8 matrix-vector products take 1..{MAX_ROWS}"
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
     assert x.stride(-1) == 1, "K must be contiguous"

@@ -51,7 +51,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(cols)
-        early = pdl.dependent_launch(x.device)
+        early = pdl.dependent_launch(x.device, pdl.FEW_ROW_GEMM)
         _per_token_quant_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), cols,
                                          FP8_MAX, MIN_SCALE, BLOCK=block, PDL=early,
                                          num_warps=4 if block <= 4096 else 16,

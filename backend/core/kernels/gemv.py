@@ -141,7 +141,7 @@ def _launch(prologue, x, weight, bias, res=None, norm_weight=None, eps=0.0, res_
     assert weight.dtype == x.dtype, "activations and weights must share a dtype"
     out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, warps = config or _config(n, k)
-    early = pdl.dependent_launch(x.device)
+    early = pdl.dependent_launch(x.device, pdl.MATRIX_VECTOR)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, res if res is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else x,

@@ -12,7 +12,7 @@ stream of the next projection then covers the previous kernel's tail. A CUDA gra
 the launch attribute. A kernel launched normally after one with the attribute waits for
 it in full, as before.
 
-Launched this way on sm_90: the matrix-vector products (``gemv.py``, ``fp8_gemv.py``'s
+Able to launch this way on sm_90: the matrix-vector products (``gemv.py``, ``fp8_gemv.py``'s
 one-program-a-tile kernel) and both decode attention stages; for the FP8 batched decode
 rows, the few-row GEMM (``small_gemm.py``, which prefetches the chunks its pipeline
 copies first) and the activation quantizers before it (``fp8_quant.per_token_quant``,
@@ -22,24 +22,62 @@ On an H100 the 8B shape's batch-1 step went 3.559 -> 3.490 ms with FP8 weights a
 one left the bf16 step where it was (5.465 -> 5.460 ms, one machine). The batched FP8
 launches took the 8B step at 32 rows from 4.602 to 4.304 ms and at 128 rows from 5.767
 to 5.640 ms (docs/benchmarks/fp8.md).
+
+On an H200 the batch-1 chain went the other way: the 8B bf16 batch-1 row of
+``bench_engine.py`` fell from 241 to 217 tokens/s (4.14 -> 4.59 ms a step, repeated in
+one machine) at the commit that launched the matrix-vector products and the attention
+stages early, while its 32- and 128-row rows stayed within 0.6%. So each kernel family
+launches early only where it is switched on (``enabled_families``): by default the
+few-row GEMM and its quantizers, not the matrix-vector products or the attention stages.
+``RADIXLM_DEPENDENT_LAUNCH`` sets the families for a process (``all``, ``none`` or a
+comma list of FAMILIES), to set them side by side on another GPU.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 
+# The kernel families that can launch early
+MATRIX_VECTOR = "matrix-vector"  # gemv.py and fp8_gemv.py: the batch-1 products
+DECODE_ATTENTION = "decode-attention"  # decode_attention.py's stages, at every batch size
+FEW_ROW_GEMM = "few-row-gemm"  # small_gemm.py and the FP8 quantizers that feed it
+FAMILIES = (MATRIX_VECTOR, DECODE_ATTENTION, FEW_ROW_GEMM)
+DEFAULT_FAMILIES = frozenset({FEW_ROW_GEMM})
+ENV = "RADIXLM_DEPENDENT_LAUNCH"
+
+
+def enabled_families() -> frozenset[str]:
+    """The families ``RADIXLM_DEPENDENT_LAUNCH`` switches on: ``all``, ``none``, or a
+    comma list of FAMILIES; unset or empty, DEFAULT_FAMILIES."""
+    value = os.environ.get(ENV, "").strip()
+    if not value:
+        return DEFAULT_FAMILIES
+    if value in ("all", "none"):
+        return frozenset(FAMILIES if value == "all" else ())
+    names = frozenset(name.strip() for name in value.split(",") if name.strip())
+    unknown = sorted(names - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"{ENV}={value!r}: unknown {unknown}; "
+                         f"expected all, none or a comma list of {', '.join(FAMILIES)}")
+    return names
+
+
 @functools.lru_cache(maxsize=None)
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` use programmatic dependent launch: NVIDIA devices of
-    compute capability 9 and later (the ``griddepcontrol`` instructions need sm_90; a
-    ROCm build also names its devices "cuda", with capabilities of its own)."""
+def dependent_launch(device: torch.device, family: str) -> bool:
+    """Whether kernels of ``family`` on ``device`` use programmatic dependent launch: the
+    family is switched on (``enabled_families``, read once a process), and the device is
+    NVIDIA's with compute capability 9 or later (the ``griddepcontrol`` instructions need
+    sm_90; a ROCm build also names its devices "cuda", with capabilities of its own)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}")
     device = torch.device(device)
-    return (device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return (family in enabled_families() and device.type == "cuda"
+            and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 @triton.jit

@@ -51,8 +51,10 @@ def _small_gemm_kernel(X, XScale, W, WScale, Bias, Y, M, N, K, stride_x, stride_
                        HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # the row tiles of one weight strip are adjacent programs (axis 0 runs fastest), so
+    # past BLOCK_M rows the strip's second read finds it in L2 instead of HBM
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -135,8 +137,8 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     if rows == 0:
         return y
-    grid = (triton.cdiv(n, t.block_n), triton.cdiv(rows, t.block_m))
-    early = pdl.dependent_launch(x.device)
+    grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n))
+    early = pdl.dependent_launch(x.device, pdl.FEW_ROW_GEMM)
     scales = x_scale is not None
     placeholder = weight  # never read: HAS_SCALES / HAS_BIAS are off where it stands in
     _small_gemm_kernel[grid](
