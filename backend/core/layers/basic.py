@@ -22,7 +22,7 @@ from .fp8_linear import Fp8Linear
 
 FP8_LINEARS = (Fp8Linear, Fp8BlockLinear)  # the float8 layers, one call interface
 # Rows up to which half-precision products take kernels/small_gemm.py instead of cuBLAS
-SMALL_GEMM_MAX_ROWS = 64
+SMALL_GEMM_MAX_ROWS = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -64,8 +64,9 @@ def small_gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     (``tools/gpu/half_small_gemm_checks.py``, docs/benchmarks/half_small_gemm_gpu.json):
     1.04-1.20x on the 8B qkv and o projections at 8 to 32 rows and 1.05-1.08x on the LM
     head; the down projections (K 3.5-4x N: 32 to 64 programs for 132 SMs) lost up to
-    0.84x on the 1B shape, and past 64 rows a second tile of rows reads the weight twice
-    (0.63x on the 8B gate-up projection at 128)."""
+    0.84x on the 1B shape. From 33 rows the tile of rows is 64 wide, and at 64 rows it
+    lost on both GPUs: 0.90-1.00x on the 8B qkv, o and gate-up projections on an H100,
+    0.90-0.96x on an H200; past 64 a second tile of rows reads the weight again."""
     return (x.is_cuda and x.dim() == 2 and small_gemm_shape(x.shape[0], *weight.shape)
             and x.stride(1) == 1 and weight.stride(1) == 1  # the kernel's K-major operands
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
