@@ -52,6 +52,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.burst = int(config["parameters"]["burst"]["string_value"])
+        self.batched = config["max_batch_size"] > 0  # responses then carry a batch dimension
         self.pending = []
         self.lock = threading.Lock()
 
@@ -68,7 +69,7 @@ class TritonPythonModel:
         for sender, intake, batch in burst:
             row = np.array([intake, time.time(), batch], dtype=np.float64)
             sender.send(pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor("t", row[None] if BATCHED else row)]),
+                output_tensors=[pb_utils.Tensor("t", row[None] if self.batched else row)]),
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 '''
 
@@ -76,7 +77,7 @@ class TritonPythonModel:
 def write_repository(root: Path, burst: int, batched: bool) -> None:
     folder = root / "floor"
     (folder / "1").mkdir(parents=True)
-    (folder / "1" / "model.py").write_text(MODEL_PY.replace("BATCHED", str(batched)))
+    (folder / "1" / "model.py").write_text(MODEL_PY)
     batching = "max_batch_size: 256\ndynamic_batching { }" if batched else "max_batch_size: 0"
     (folder / "config.pbtxt").write_text(f'''name: "floor"
 backend: "python"
