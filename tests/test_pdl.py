@@ -33,6 +33,15 @@ def test_by_default_only_the_few_row_gemm_and_its_quantizers_launch_early(monkey
     assert pdl.enabled_families() == {pdl.FEW_ROW_GEMM}
     monkeypatch.setenv(pdl.ENV, "  ")
     assert pdl.enabled_families() == {pdl.FEW_ROW_GEMM}
+    # on an sm_90 device (stood in for: no GPU here), the launch follows the families
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    launch = pdl.dependent_launch.__wrapped__  # uncached: the environment changes here
+    assert [launch("cuda", f) for f in pdl.FAMILIES] == [False, False, True]
+    monkeypatch.setenv(pdl.ENV, "matrix-vector")
+    assert [launch("cuda", f) for f in pdl.FAMILIES] == [True, False, False]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert launch("cuda", pdl.MATRIX_VECTOR) is False
 
 
 @pytest.mark.parametrize("value, families", [
