@@ -27,7 +27,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+
+from bench_triton import free_ports  # noqa: E402
 
 MODEL_PY = '''
 import json
@@ -88,12 +90,6 @@ output [ {{ name: "t" data_type: TYPE_FP64 dims: [ 3 ] }} ]
 instance_group [ {{ count: 1, kind: KIND_CPU }} ]
 parameters: {{ key: "burst" value: {{ string_value: "{burst}" }} }}
 ''')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(http: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -157,7 +153,7 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp(prefix="radixlm-floor-"))
     write_repository(root, args.requests, args.dynamic_batching)
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     log = open(root / "server.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "backend.launcher", f"--model-repository={root}",
