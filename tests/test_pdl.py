@@ -37,15 +37,15 @@ def test_by_default_only_the_few_row_gemm_and_its_quantizers_launch_early(monkey
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     launch = pdl.dependent_launch.__wrapped__  # uncached: the environment changes here
-    assert [launch("cuda", f) for f in pdl.FAMILIES] == [False, False, True]
+    assert [launch("cuda", f) for f in pdl.FAMILIES] == [False, False, True, False]
     monkeypatch.setenv(pdl.ENV, "matrix-vector")
-    assert [launch("cuda", f) for f in pdl.FAMILIES] == [True, False, False]
+    assert [launch("cuda", f) for f in pdl.FAMILIES] == [True, False, False, False]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     assert launch("cuda", pdl.MATRIX_VECTOR) is False
 
 
 @pytest.mark.parametrize("value, families", [
-    ("all", {"matrix-vector", "decode-attention", "few-row-gemm"}),
+    ("all", {"matrix-vector", "decode-attention", "few-row-gemm", "norm-activation"}),
     ("none", set()),
     ("matrix-vector", {"matrix-vector"}),
     (" decode-attention , few-row-gemm,", {"decode-attention", "few-row-gemm"}),
@@ -273,5 +273,36 @@ def test_the_activation_quantizers_wait_before_anything_else(kernel_name):
     with the attribute, both wait before their first load or store."""
     assert "griddepcontrol" not in _quant_ptx(kernel_name, pdl=False)
     before, after = _before_and_after_wait(_quant_ptx(kernel_name, pdl=True))
+    assert "ld.global" not in before and "st.global" not in before
+    assert "ld.global" in after and "st.global" in after
+
+
+def _norm_activation_ptx(kernel_name: str, pdl: bool, **consts) -> str:
+    from backend.core.kernels import fused
+    if kernel_name == "silu_and_mul":
+        pointers = {"GateUp": "*bf16", "Out": "*bf16"}
+        scalars = dict.fromkeys(["stride_g", "stride_o", "I"], "i32")
+        return _ptx(fused._silu_and_mul_kernel, pointers, scalars, dict(BLOCK=512), 4, pdl,
+                    tuple(scalars))
+    pointers = {"X": "*bf16", "Res": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16"}
+    scalars = {**dict.fromkeys(["stride_x", "stride_r", "stride_o", "stride_ro", "N"], "i32"),
+               "eps": "fp32"}
+    consts = dict(HAS_RESIDUAL=consts["HAS_RESIDUAL"], BLOCK=4096,  # the kernel's order
+                  NUM_CHUNKS=consts["NUM_CHUNKS"], UNIT_OFFSET=False)
+    return _ptx(fused._rmsnorm_kernel, pointers, scalars, consts, 16, pdl, tuple(scalars)[:5])
+
+
+@pytest.mark.parametrize("kernel_name, consts", [
+    ("rmsnorm", dict(HAS_RESIDUAL=False, NUM_CHUNKS=1)),
+    ("rmsnorm", dict(HAS_RESIDUAL=True, NUM_CHUNKS=1)),
+    ("rmsnorm", dict(HAS_RESIDUAL=True, NUM_CHUNKS=2)),  # a row wider than one block
+    ("silu_and_mul", {}),
+])
+def test_the_half_precision_norm_and_silu_wait_before_anything_else(kernel_name, consts):
+    """The bf16 decode step's RMSNorm (with and without the residual add) and
+    SiLU-and-mul read only activations and the norm's weight: with the attribute, every
+    load and store comes after the wait."""
+    assert "griddepcontrol" not in _norm_activation_ptx(kernel_name, False, **consts)
+    before, after = _before_and_after_wait(_norm_activation_ptx(kernel_name, True, **consts))
     assert "ld.global" not in before and "st.global" not in before
     assert "ld.global" in after and "st.global" in after

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import await_previous_kernel
 from .scales import check_kv_scales, saturate
 
 # Widest row one RMSNorm program holds in registers; wider rows loop over chunks of this
@@ -32,8 +34,10 @@ def _rmsnorm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (pdl.py): x and the residual are the previous kernel's
+        await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)  # 64-bit: rows * stride can pass 2**31
     cols = tl.arange(0, BLOCK)
     x_ptr, r_ptr = X + row * stride_x, Res + row * stride_r
@@ -123,12 +127,13 @@ def _launch_rmsnorm(x, residual, weight, eps, out, residual_out, unit_offset=Fal
         # ~8 elements (16 bytes of bf16) per thread: full-width vector loads. (On an H200
         # 2..16 warps timed the same at hidden 2048/4096; the kernel runs at HBM speed.)
         warps = max(1, min(16, block // 256))
+        early = pdl.dependent_launch(x.device, pdl.NORM_ACTIVATION)
         _rmsnorm_kernel[(rows,)](
             x2, r2, weight, o2, ro2,
             x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
             n, float(eps),
             HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=triton.cdiv(n, block),
-            UNIT_OFFSET=unit_offset, num_warps=warps,
+            UNIT_OFFSET=unit_offset, PDL=early, num_warps=warps, launch_pdl=early,
         )
     return out, residual_out
 
@@ -274,7 +279,10 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @triton.jit
-def _silu_and_mul_kernel(GateUp, Out, stride_g, stride_o, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(GateUp, Out, stride_g, stride_o, I, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # launched early (pdl.py): gate_up is the previous kernel's
+        await_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -300,6 +308,8 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         # Narrow blocks so a batch-1 decode still spreads over several SMs
         # (Llama-1B: I = 8192 -> 16 programs).
         block = min(512, triton.next_power_of_2(inter))
+        early = pdl.dependent_launch(gate_up.device, pdl.NORM_ACTIVATION)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, PDL=early,
+            num_warps=4, launch_pdl=early)
     return out

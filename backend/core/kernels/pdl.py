@@ -16,7 +16,9 @@ Able to launch this way on sm_90: the matrix-vector products (``gemv.py``, ``fp8
 one-program-a-tile kernel) and both decode attention stages; for the FP8 batched decode
 rows, the few-row GEMM (``small_gemm.py``, which prefetches the chunks its pipeline
 copies first) and the activation quantizers before it (``fp8_quant.per_token_quant``,
-``fp8_fused_quant``'s RMSNorm, which reads its weight before the wait, and SiLU-and-mul).
+``fp8_fused_quant``'s RMSNorm, which reads its weight before the wait, and SiLU-and-mul);
+for the bf16 batched rows, the RMSNorm and SiLU-and-mul kernels of ``fused.py`` that sit
+between those GEMMs.
 On an H100 the 8B shape's batch-1 step went 3.559 -> 3.490 ms with FP8 weights and
 5.517 -> 5.468 ms in bf16; asking for every line of a bf16 chunk instead of every other
 one left the bf16 step where it was (5.465 -> 5.460 ms, one machine). The batched FP8
@@ -46,7 +48,8 @@ import triton.language as tl
 MATRIX_VECTOR = "matrix-vector"  # gemv.py and fp8_gemv.py: the batch-1 products
 DECODE_ATTENTION = "decode-attention"  # decode_attention.py's stages, at every batch size
 FEW_ROW_GEMM = "few-row-gemm"  # small_gemm.py and the FP8 quantizers that feed it
-FAMILIES = (MATRIX_VECTOR, DECODE_ATTENTION, FEW_ROW_GEMM)
+NORM_ACTIVATION = "norm-activation"  # fused.py's RMSNorm and SiLU-and-mul (half precision)
+FAMILIES = (MATRIX_VECTOR, DECODE_ATTENTION, FEW_ROW_GEMM, NORM_ACTIVATION)
 DEFAULT_FAMILIES = frozenset({FEW_ROW_GEMM})
 ENV = "RADIXLM_DEPENDENT_LAUNCH"
 
