@@ -3,7 +3,8 @@
 # the 8B shape's steady decode step (tools/gpu/decode_step_ab.py, one process a setting)
 # with each RADIXLM_DEPENDENT_LAUNCH setting, bf16 and FP8 weights (AB_QUANTIZATIONS), at
 # the batch sizes in AB_BATCHES (default 1). Run on the GPU machine, in one call (about
-# 35 s a setting, so ten settings a call):
+# 35 s a setting, so ten settings a call; norm-activation matters from 2 rows on, e.g.
+# AB_BATCHES="32 128" AB_QUANTIZATIONS=none ... default few-row-gemm,norm-activation):
 #
 #   bash tools/gpu/ab_dependent_launch.sh [SETTINGS...]   # default: see SETTINGS below
 #
@@ -16,7 +17,7 @@ cd "$ROOT"
 source benchmarks/gpu/setup.sh >/dev/null
 SETTINGS=("$@")
 if (( ${#SETTINGS[@]} == 0 )); then
-  SETTINGS=(default none all matrix-vector decode-attention)
+  SETTINGS=(default none all matrix-vector decode-attention few-row-gemm,norm-activation)
 fi
 BATCHES=(${AB_BATCHES:-1})
 QUANTS=(${AB_QUANTIZATIONS:-none fp8})
