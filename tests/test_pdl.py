@@ -277,7 +277,8 @@ def test_the_activation_quantizers_wait_before_anything_else(kernel_name):
     assert "ld.global" in after and "st.global" in after
 
 
-def _norm_activation_ptx(kernel_name: str, pdl: bool, **consts) -> str:
+def _norm_activation_ptx(kernel_name: str, pdl: bool, residual: bool = False,
+                         chunks: int = 1) -> str:
     from backend.core.kernels import fused
     if kernel_name == "silu_and_mul":
         pointers = {"GateUp": "*bf16", "Out": "*bf16"}
@@ -287,22 +288,21 @@ def _norm_activation_ptx(kernel_name: str, pdl: bool, **consts) -> str:
     pointers = {"X": "*bf16", "Res": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16"}
     scalars = {**dict.fromkeys(["stride_x", "stride_r", "stride_o", "stride_ro", "N"], "i32"),
                "eps": "fp32"}
-    consts = dict(HAS_RESIDUAL=consts["HAS_RESIDUAL"], BLOCK=4096,  # the kernel's order
-                  NUM_CHUNKS=consts["NUM_CHUNKS"], UNIT_OFFSET=False)
+    consts = dict(HAS_RESIDUAL=residual, BLOCK=4096, NUM_CHUNKS=chunks, UNIT_OFFSET=False)
     return _ptx(fused._rmsnorm_kernel, pointers, scalars, consts, 16, pdl, tuple(scalars)[:5])
 
 
-@pytest.mark.parametrize("kernel_name, consts", [
-    ("rmsnorm", dict(HAS_RESIDUAL=False, NUM_CHUNKS=1)),
-    ("rmsnorm", dict(HAS_RESIDUAL=True, NUM_CHUNKS=1)),
-    ("rmsnorm", dict(HAS_RESIDUAL=True, NUM_CHUNKS=2)),  # a row wider than one block
+@pytest.mark.parametrize("kernel_name, shape", [
+    ("rmsnorm", dict(residual=False)),
+    ("rmsnorm", dict(residual=True)),
+    ("rmsnorm", dict(residual=True, chunks=2)),  # a row wider than one block
     ("silu_and_mul", {}),
 ])
-def test_the_half_precision_norm_and_silu_wait_before_anything_else(kernel_name, consts):
+def test_the_half_precision_norm_and_silu_wait_before_anything_else(kernel_name, shape):
     """The bf16 decode step's RMSNorm (with and without the residual add) and
     SiLU-and-mul read only activations and the norm's weight: with the attribute, every
     load and store comes after the wait."""
-    assert "griddepcontrol" not in _norm_activation_ptx(kernel_name, False, **consts)
-    before, after = _before_and_after_wait(_norm_activation_ptx(kernel_name, True, **consts))
+    assert "griddepcontrol" not in _norm_activation_ptx(kernel_name, False, **shape)
+    before, after = _before_and_after_wait(_norm_activation_ptx(kernel_name, True, **shape))
     assert "ld.global" not in before and "st.global" not in before
     assert "ld.global" in after and "st.global" in after
