@@ -43,8 +43,10 @@ def main() -> None:
 
     import torch
 
+    from backend.core.kernels import pdl  # reads the variable at the first launch, not here
+
     if args.dependent_launch:
-        os.environ["RADIXLM_DEPENDENT_LAUNCH"] = args.dependent_launch
+        os.environ[pdl.ENV] = args.dependent_launch
     if args.torch_argmax:
         import backend.core.forward_step as forward_step
         forward_step.argmax_rows = lambda logits: logits.argmax(dim=-1)
@@ -56,7 +58,6 @@ def main() -> None:
     import bench_engine
     import common
     from backend.core import Engine, EngineConfig, SamplingParams
-    from backend.core.kernels import pdl
 
     engine = Engine(EngineConfig(
         model_path=args.model, device="cuda", dtype="bfloat16", load_format="dummy",
