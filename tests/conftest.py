@@ -304,3 +304,21 @@ def sigterm_mid_stream(server, s: "Stream") -> dict:
 
 def joined(pieces: list[dict]) -> tuple[str, list[int]]:
     return "".join(p["text_output"] for p in pieces), [i for p in pieces for i in p["output_ids"]]
+
+
+# ---- built once for several test files (imported here only when a test asks) -----------
+
+@pytest.fixture(scope="session")
+def structured_engine():
+    """The jump-forward engine of test_structured_outputs.py and
+    test_structured_jump_forward.py (structured_cases.py)."""
+    from structured_cases import _engine
+    return _engine(enable_jump_forward=True)
+
+
+@pytest.fixture(scope="session")
+def structured_big_batch(structured_engine) -> dict:
+    """structured_cases.run_big_batch on that engine: over a minute on CPU, so once."""
+    from structured_cases import run_big_batch
+    return run_big_batch(structured_engine)
+
