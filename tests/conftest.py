@@ -322,3 +322,16 @@ def structured_big_batch(structured_engine) -> dict:
     from structured_cases import run_big_batch
     return run_big_batch(structured_engine)
 
+
+@pytest.fixture(scope="session")
+def chart_helm(tmp_path_factory):
+    """helm on deploy/helm/radixlm (deploy_helpers.Helm), for the chart and image tests."""
+    from deploy_helpers import find_helm
+    return find_helm(tmp_path_factory.mktemp("helm"))
+
+
+@pytest.fixture(scope="session")
+def rendered_chart(chart_helm) -> dict[str, dict[str, dict]]:
+    """The chart rendered for each of deploy_helpers.VARIANTS: {variant: {kind: object}}."""
+    from deploy_helpers import render_variants
+    return render_variants(chart_helm)
