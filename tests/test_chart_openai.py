@@ -49,7 +49,7 @@ def by_name(objects: list[dict]) -> dict[tuple[str, str], dict]:
 def objects(helm) -> dict[tuple[str, str], dict]:
     rendered = render(helm, ON)
     for obj in rendered:
-        if obj["kind"] != "ServiceMonitor":  # a CRD: tests/test_deploy.py checks it
+        if obj["kind"] != "ServiceMonitor":  # a CRD: tests/test_chart_manifests.py checks it
             kubernetes_validate.validate(obj, "1.30.0", strict=True)
     return by_name(rendered)
 
