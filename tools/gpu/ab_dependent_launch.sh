@@ -4,7 +4,7 @@
 # with each RADIXLM_DEPENDENT_LAUNCH setting, bf16 and FP8 weights (AB_QUANTIZATIONS), at
 # the batch sizes in AB_BATCHES (default 1). Run on the GPU machine, in one call (about
 # 35 s a setting, so ten settings a call; norm-activation matters from 2 rows on, e.g.
-# AB_BATCHES="32 128" AB_QUANTIZATIONS=none ... default few-row-gemm,norm-activation):
+# AB_BATCHES="32 128" AB_QUANTIZATIONS=none ... few-row-gemm default):
 #
 #   bash tools/gpu/ab_dependent_launch.sh [SETTINGS...]   # default: see SETTINGS below
 #
