@@ -98,18 +98,68 @@ def test_chunked_prefill_is_cached_chunk_by_chunk(model):
     assert engine.cache.total_size() == len(prompt) + 1
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_questions_arriving_with_their_shared_examples_compute_them_once(model, overlap):
-    """Few-shot questions sent together into an empty cache: one request computes the
-    examples, the others wait for them to be cached, also when the next step is scheduled
-    while the first one's prefill still runs (overlap), before its prompt is in the tree."""
-    engine = make_engine(model, enable_overlap=overlap)
-    shots, *questions = random_prompts(7, engine.runner.vocab_size, seed=8, min_len=6,
-                                       max_len=12)
+def _few_shot(engine, n_questions: int, seed: int) -> tuple[list[int], list[list[int]]]:
+    """48 shared example tokens and questions that differ from their first token."""
+    shots, *questions = random_prompts(n_questions + 1, engine.runner.vocab_size, seed=seed,
+                                       min_len=6, max_len=12)
     shots = (shots * 10)[:48]
     for i, q in enumerate(questions):
-        q[0] = 10 + i  # each question differs from its first token
+        q[0] = 10 + i
+    return shots, questions
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("budget", [512, 32])
+def test_questions_arriving_with_their_shared_examples_compute_them_once(model, overlap,
+                                                                         budget):
+    """Few-shot questions sent together into an empty cache: the examples are computed
+    once, also when the next step is scheduled while the first prefill still runs
+    (overlap), and when the first question's prefill is cut into chunks (a budget of 32
+    tokens: the others wait for the chunk that holds the rest of the examples)."""
+    engine = make_engine(model, enable_overlap=overlap, max_prefill_tokens=budget)
+    shots, questions = _few_shot(engine, 6, seed=8)
     outs = engine.generate([shots + q for q in questions], SamplingParams(max_new_tokens=3,
                                                                            **GREEDY))
     assert sorted(o.num_cached_tokens for o in outs) == [0] + [len(shots)] * 5
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_questions_share_the_examples_in_the_step_that_computes_them(model, overlap):
+    """The first step takes every question: the first computes the examples and its own
+    tokens, each of the others only its own, reading the examples' K/V that the same
+    forward stores before its attention runs. No slot is spent twice."""
+    engine = make_engine(model, enable_overlap=overlap)
+    shots, questions = _few_shot(engine, 6, seed=9)
+    params = SamplingParams(max_new_tokens=4, **GREEDY)
+    free = engine.slots.available_size()
+    rids = [engine.add_request(shots + q, params) for q in questions]
+    outputs = engine.step()
+    assert engine.scheduler.waiting == []
+    computed = len(shots) + sum(len(q) for q in questions)
+    assert free - engine.slots.available_size() == computed
+    assert engine.cache.total_size() == computed  # all of it shareable at once
+    got = {rid: [] for rid in rids}
+    while True:
+        for o in outputs:
+            got[o.request_id].extend(o.new_token_ids)
+        engine.check_integrity()
+        if not engine.has_work():
+            break
+        outputs = engine.step()
+    # the same tokens as each question served alone, from an empty cache
+    for q, rid in zip(questions, rids):
+        alone = make_engine(model).generate([shots + q], params)[0]
+        assert got[rid] == alone.token_ids
+
+
+def test_identical_prompts_sent_together_compute_all_but_one_token_once(model):
+    """The second copy matches all of the first's prompt but the last token, which it
+    computes itself in the same step; its duplicate slot is freed once it finishes."""
+    engine = make_engine(model)
+    (prompt,) = random_prompts(1, engine.runner.vocab_size, seed=10, min_len=20, max_len=20)
+    params = SamplingParams(max_new_tokens=3, **GREEDY)
+    outs = engine.generate([prompt, list(prompt)], params)
+    assert [o.num_cached_tokens for o in outs] == [0, len(prompt) - 1]
+    assert outs[0].token_ids == outs[1].token_ids
     engine.check_integrity()

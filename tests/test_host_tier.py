@@ -147,6 +147,17 @@ def test_a_request_recomputing_a_host_only_prefix_gives_it_device_slots_again():
     cache.check_integrity()
 
 
+def test_device_prefix_len_stops_where_the_host_only_part_begins():
+    cache = make(device=8, host=8)
+    put(cache, [1, 2, 3, 4])
+    cache.evict(8)  # all of it on the host only
+    put(cache, [1, 2, 9])  # [1, 2] on both tiers again, [3, 4] still on the host only
+    assert cache.device_prefix_len([1, 2, 3, 4]) == 2
+    assert cache.device_prefix_len([1, 2, 9, 5]) == 3
+    assert cache.match_prefix([1, 2, 3, 4]).host_len == 2
+    cache.check_integrity()
+
+
 def test_without_a_host_tier_eviction_only_drops():
     cache = RadixCache(KVSlotAllocator(4), LRUPolicy(), HostBlockAllocator(0))
     put(cache, [1, 2, 3, 4])

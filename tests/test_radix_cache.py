@@ -84,6 +84,19 @@ def test_match_longer_than_the_cached_sequence_returns_all_cached_slots_without_
     assert _edges(cache) == {((1, 2, 3), tuple(slots))}
 
 
+def test_device_prefix_len_measures_a_match_without_splitting_or_touching_anything():
+    cache = _cache()
+    slots = _put(cache, [1, 2, 3, 4])
+    edges, clock = _edges(cache), [n.last_access for n in cache.nodes()]
+    assert cache.device_prefix_len([1, 2, 3]) == 3
+    assert cache.device_prefix_len([1, 2, 3, 4, 5]) == 4
+    assert cache.device_prefix_len([1, 2, 7]) == 2
+    assert cache.device_prefix_len([7]) == 0
+    assert _edges(cache) == edges == {((1, 2, 3, 4), tuple(slots))}
+    assert [n.last_access for n in cache.nodes()] == clock
+    cache.check_integrity()
+
+
 # ---------------------------------------------------------------------- insert
 def test_insert_into_empty_tree_reports_nothing_present():
     cache = _cache()

@@ -124,6 +124,21 @@ class RadixCache:
             node = child
         return i if i - on_device >= self.host_load_min_tokens else on_device
 
+    def device_prefix_len(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` the tree holds on the device; changes
+        nothing. ``insert`` takes a caller's slots from exactly there on."""
+        node, i = self.root, 0
+        while i < len(token_ids):
+            child = node.children.get(token_ids[i])
+            if child is None or not child.value:
+                break
+            n = common_prefix_len(child.key, token_ids, i)
+            i += n
+            if n < len(child.key):
+                break
+            node = child
+        return i
+
     def record_use(self, node: TreeNode) -> None:
         """A request uses the cached path ending at ``node`` (call once per admission):
         the policy's statistics learn from it. The use clock counts reuses only (a hit,

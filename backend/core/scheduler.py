@@ -117,6 +117,7 @@ class Scheduler:
             if not self.can_fit(n):
                 break
             items.append(self._extend(req, n))
+            self._share_now(req)
             budget -= n
         return items, budget
 
@@ -135,9 +136,10 @@ class Scheduler:
             return []
         items: list[ScheduledItem] = []
         admitted_arrivals: list[float] = []
-        # prompts whose KV is being computed now: this step's admissions, chunked
-        # prefills still under way, and (overlap) prefills launched but not yet read,
-        # whose prompt goes into the tree only when their step is processed
+        # prompts whose KV is being computed now and is not in the tree yet: chunked
+        # prefills still under way (their later chunks), this step's admissions that
+        # could not be shared at once (_share_now), and (overlap) such prefills launched
+        # but not yet read, whose prompt goes into the tree when their step is processed
         admitted_prompts = [r.fill_ids if r.num_uncomputed > 1 else r.origin_input_ids
                             for r in self.running
                             if r.num_uncomputed > 1 or not _prompt_cached(r)]
@@ -169,6 +171,8 @@ class Scheduler:
                 continue  # it steps once its load is done
             items.append(self._extend(req, n))
             budget -= n
+            if self._share_now(req) and req.num_uncomputed == 0:
+                admitted_prompts.pop()  # all of it is in the tree: the rest match it
         if admitted_arrivals:
             latest = max(admitted_arrivals)
             for req in self.waiting:
@@ -252,10 +256,36 @@ class Scheduler:
         self.slots.free(item.new_slots)
 
     # ------------------------------------------------------------------ completion
+    def _share_now(self, req: Req) -> bool:
+        """Put the prompt tokens this step computes for ``req`` into the tree before the
+        step runs, so that the requests admitted after it, in this very step too, take
+        them as a cached prefix: few-shot questions sent with their shared examples then
+        compute the examples once in one step, instead of waiting a step (two with
+        overlap) for them. Safe because a step is one forward on one stream, which stores
+        every new token's K/V before any attention reads the pool, and later steps run
+        after it. Only when the tree takes every new slot (it holds nothing of these
+        tokens past what ``req`` owns): duplicates are left to ``cache_unfinished`` after
+        the step, when freeing a slot can no longer race with this step's writes."""
+        owned, end = req.tree_owned_len, req.num_computed
+        if not self.cache.enabled or end <= owned:
+            return False
+        tokens = req.fill_ids[:end]
+        if min(tokens[owned:]) < 0 or self.cache.device_prefix_len(tokens) != owned:
+            return False  # a placeholder (a token still on the device), or a duplicate
+        present = self.cache.insert(tokens, req.kv_indices)
+        assert present == owned, (present, owned)
+        match = self.cache.match_prefix(tokens)
+        self.cache.lock(match.last_node)
+        self.cache.unlock(req.last_node)
+        req.last_node, req.tree_owned_len = match.last_node, end
+        return True
+
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill chunk: put the computed tokens into the tree and take the
-        tree's slots, so the next requests (and the next chunk) share them."""
-        if not self.cache.enabled or req.status is not ReqStatus.RUNNING:
+        tree's slots, so the next requests (and the next chunk) share them. Nothing to
+        do when ``_share_now`` put them there before the step."""
+        if (not self.cache.enabled or req.status is not ReqStatus.RUNNING
+                or req.tree_owned_len >= req.num_computed):
             return
         tokens = req.fill_ids[:req.num_computed]
         owned = req.tree_owned_len
