@@ -1,6 +1,8 @@
 """In which order waiting requests are considered for admission (``lpm``: longest cached
 prefix first, requests passed over ``starvation_bound`` times first of all; ``fcfs``),
-and which ones wait a step to share a prompt another admission is computing."""
+and which ones wait a step to share a prompt another admission is computing but has not
+put in the tree yet (the later chunks of a chunked prefill; prompts the scheduler could
+not share at once)."""
 from __future__ import annotations
 
 from .config import EngineConfig
@@ -8,9 +10,10 @@ from .radix_cache import RadixCache
 from .request import Req
 
 LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step costs too much
-# A waiting request that shares at least this many uncached tokens with one admitted in
-# the same step waits a step: next step those tokens come from the cache instead of
-# being computed twice (few-shot batches arriving together).
+# A waiting request that shares at least this many uncached tokens with a prompt being
+# computed waits a step: next step those tokens come from the cache instead of being
+# computed twice. (The usual case, few-shot questions arriving with their examples, needs
+# no wait: the scheduler puts a prompt's tokens in the tree when it schedules them.)
 IN_BATCH_SHARE_MIN = 16
 
 
