@@ -5,6 +5,8 @@ which never had KV computed. At least one prompt token is always recomputed, sin
 next token's logits come from it."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from backend.core import SamplingParams
@@ -163,3 +165,56 @@ def test_identical_prompts_sent_together_compute_all_but_one_token_once(model):
     assert [o.num_cached_tokens for o in outs] == [0, len(prompt) - 1]
     assert outs[0].token_ids == outs[1].token_ids
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_waves_of_prompts_sharing_prefixes_keep_their_tokens_and_leave_no_slot_in_use(
+        model, overlap):
+    """Waves of prompts built from four shared prefixes (some sent twice), in a pool small
+    enough to evict and retract, with prefills cut into chunks and random aborts: the
+    accounting holds at every step, nothing is left in use, and the greedy requests that
+    ran to the end produced what they produce alone."""
+    engine = make_engine(model, max_total_tokens=300, max_running_requests=24,
+                         max_prefill_tokens=48, new_token_ratio=0.0, enable_overlap=overlap)
+    rng = random.Random(3)
+    vocab = engine.runner.vocab_size
+    prefixes = random_prompts(4, vocab, seed=12, min_len=20, max_len=60)
+    suffixes = random_prompts(60, vocab, seed=13, min_len=1, max_len=12)
+    prompts = []
+    for suffix in suffixes:
+        prompts.append(rng.choice(prefixes) + suffix)
+        if rng.random() < 0.2:
+            prompts.append(list(prompts[-1]))
+    params = SamplingParams(max_new_tokens=8, **GREEDY)
+    prompt_of: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {}
+    completed: list[str] = []
+    aborted: set[str] = set()
+    steps = 0
+    while len(prompt_of) < len(prompts) or engine.has_work():
+        for _ in range(rng.randint(0, 8)):
+            if len(prompt_of) < len(prompts):
+                p = prompts[len(prompt_of)]
+                rid = engine.add_request(p, params)
+                prompt_of[rid], tokens[rid] = p, []
+        live = [r for r in prompt_of if r not in aborted and r not in completed]
+        if live and rng.random() < 0.1:
+            rid = rng.choice(live)
+            engine.abort(rid)
+            aborted.add(rid)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished and out.finish_reason != "abort":
+                completed.append(out.request_id)
+        if not engine.step_in_flight:
+            engine.check_integrity()
+        steps += 1
+        assert steps < 3000, "engine made no progress"
+    stats = engine.stats()
+    assert stats["num_running"] == 0 and stats["kv_tokens_in_use_by_requests"] == 0
+    engine.check_integrity()
+    assert len(completed) > len(prompts) // 2
+    assert engine.scheduler.num_retractions > 0  # the pool was short: some were preempted
+    alone = make_engine(model)
+    for rid in completed[:25]:
+        assert tokens[rid] == alone.generate([prompt_of[rid]], params)[0].token_ids
