@@ -143,6 +143,9 @@ class Scheduler:
         admitted_prompts = [r.fill_ids if r.num_uncomputed > 1 else r.origin_input_ids
                             for r in self.running
                             if r.num_uncomputed > 1 or not _prompt_cached(r)]
+        # tokens the running requests may still decode, kept up to date as requests are
+        # admitted (summing it again for each admission made a burst's step quadratic)
+        decode_left = sum(r.params.max_new_tokens - len(r.output_ids) for r in self.running)
         for req in admission_order(self.waiting, self.cache, self.config):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -161,10 +164,11 @@ class Scheduler:
             self.cache.lock(match.deepest)
             n = min(len(req.fill_ids) - cached, budget)
             # loaded tokens need slots but no compute: they do not count against the budget
-            if not self._can_admit(n + match.host_len):
+            if not self._can_admit(n + match.host_len, decode_left):
                 self.cache.unlock(match.deepest)
                 break  # head of line waits: skipping it would let small requests starve it
             self._admit(req, match)
+            decode_left += req.params.max_new_tokens - len(req.output_ids)
             admitted_arrivals.append(req.arrival)
             admitted_prompts.append(req.fill_ids)
             if req.waiting_load:
@@ -180,14 +184,13 @@ class Scheduler:
                     req.times_passed_over += 1
         return items
 
-    def _can_admit(self, n: int) -> bool:
-        """Whether ``n`` new tokens fit (a check: nothing is evicted or taken here)."""
+    def _can_admit(self, n: int, decode_left: int) -> bool:
+        """Whether ``n`` new tokens fit beside a share of the ``decode_left`` tokens the
+        running requests may still decode (a check: nothing is evicted or taken here)."""
         if not self.running:
             return self.can_fit(n)
         # keep room for running requests to decode, so admissions do not force retractions
-        reserve = int(self.config.new_token_ratio * sum(
-            r.params.max_new_tokens - len(r.output_ids) for r in self.running))
-        reserve = min(reserve, self.slots.size // 2)
+        reserve = min(int(self.config.new_token_ratio * decode_left), self.slots.size // 2)
         return self.can_fit(n + reserve)
 
     def _admit(self, req: Req, match) -> None:
