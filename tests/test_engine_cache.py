@@ -216,5 +216,5 @@ def test_waves_of_prompts_sharing_prefixes_keep_their_tokens_and_leave_no_slot_i
     assert len(completed) > len(prompts) // 2
     assert engine.scheduler.num_retractions > 0  # the pool was short: some were preempted
     alone = make_engine(model)
-    for rid in completed[:25]:
+    for rid in completed:
         assert tokens[rid] == alone.generate([prompt_of[rid]], params)[0].token_ids

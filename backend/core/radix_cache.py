@@ -106,8 +106,20 @@ class RadixCache:
         """How many leading tokens of ``token_ids[:limit]`` ``match_prefix`` would find
         (either tier, a host part only from ``host_load_min_tokens`` on); changes nothing
         (no split, no recency): what ordering a queue needs, cheaper than a match."""
-        node, i, on_device = self.root, 0, 0
         end = len(token_ids) if limit is None else min(limit, len(token_ids))
+        matched, on_device = self._walk(token_ids, end)
+        return matched if matched - on_device >= self.host_load_min_tokens else on_device
+
+    def device_prefix_len(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` the tree holds on the device; changes
+        nothing. ``insert`` takes a caller's slots from exactly there on."""
+        return self._walk(token_ids, len(token_ids))[1]
+
+    def _walk(self, token_ids: list[int], end: int) -> tuple[int, int]:
+        """The leading tokens of ``token_ids[:end]`` the tree holds on either tier, and
+        how many of them are on the device (device nodes form a subtree from the root,
+        so those come first)."""
+        node, i, on_device = self.root, 0, 0
         while i < end:
             child = node.children.get(token_ids[i])
             if child is None:
@@ -122,22 +134,7 @@ class RadixCache:
             if i - start < len(key):
                 break  # the match ends inside this edge
             node = child
-        return i if i - on_device >= self.host_load_min_tokens else on_device
-
-    def device_prefix_len(self, token_ids: list[int]) -> int:
-        """How many leading tokens of ``token_ids`` the tree holds on the device; changes
-        nothing. ``insert`` takes a caller's slots from exactly there on."""
-        node, i = self.root, 0
-        while i < len(token_ids):
-            child = node.children.get(token_ids[i])
-            if child is None or not child.value:
-                break
-            n = common_prefix_len(child.key, token_ids, i)
-            i += n
-            if n < len(child.key):
-                break
-            node = child
-        return i
+        return i, on_device
 
     def record_use(self, node: TreeNode) -> None:
         """A request uses the cached path ending at ``node`` (call once per admission):

@@ -170,13 +170,13 @@ class Scheduler:
             self._admit(req, match)
             decode_left += req.params.max_new_tokens - len(req.output_ids)
             admitted_arrivals.append(req.arrival)
-            admitted_prompts.append(req.fill_ids)
             if req.waiting_load:
+                admitted_prompts.append(req.fill_ids)
                 continue  # it steps once its load is done
             items.append(self._extend(req, n))
             budget -= n
-            if self._share_now(req) and req.num_uncomputed == 0:
-                admitted_prompts.pop()  # all of it is in the tree: the rest match it
+            if not self._share_now(req) or req.num_uncomputed > 0:
+                admitted_prompts.append(req.fill_ids)  # not all of it in the tree yet
         if admitted_arrivals:
             latest = max(admitted_arrivals)
             for req in self.waiting:
@@ -277,11 +277,18 @@ class Scheduler:
             return False  # a placeholder (a token still on the device), or a duplicate
         present = self.cache.insert(tokens, req.kv_indices)
         assert present == owned, (present, owned)
+        self._hold_path(req, tokens)
+        return True
+
+    def _hold_path(self, req: Req, tokens: list[int]) -> list[int]:
+        """Pin the tree's path of ``tokens`` (all in the tree) for ``req`` instead of the
+        one it held; returns the path's slots."""
         match = self.cache.match_prefix(tokens)
+        assert len(match.kv_indices) == len(tokens)
         self.cache.lock(match.last_node)
         self.cache.unlock(req.last_node)
-        req.last_node, req.tree_owned_len = match.last_node, end
-        return True
+        req.last_node, req.tree_owned_len = match.last_node, len(tokens)
+        return match.kv_indices
 
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill chunk: put the computed tokens into the tree and take the
@@ -294,15 +301,10 @@ class Scheduler:
         owned = req.tree_owned_len
         present = self.cache.insert(tokens, req.kv_indices)
         self.slots.free(req.kv_indices[owned:present])
-        match = self.cache.match_prefix(tokens)
-        assert len(match.kv_indices) == len(tokens)
+        slots = self._hold_path(req, tokens)
         if present > owned:  # another request inserted these first: use its slots
-            self._table_writes.append(TableWrite(req.req_pool_idx, owned,
-                                                 match.kv_indices[owned:present]))
-        self.cache.lock(match.last_node)
-        self.cache.unlock(req.last_node)
-        req.kv_indices, req.last_node = list(match.kv_indices), match.last_node
-        req.tree_owned_len = len(tokens)
+            self._table_writes.append(TableWrite(req.req_pool_idx, owned, slots[owned:present]))
+        req.kv_indices = list(slots)
 
     def release(self, req: Req) -> None:
         """Give back a request's KV: computed tokens go into the tree (or are freed when
