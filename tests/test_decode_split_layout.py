@@ -24,15 +24,22 @@ def test_large_batch_of_short_rows_is_one_split():
 
 def test_large_batch_with_long_rows_splits_only_past_the_one_pass_length():
     assert _backend(132).split_layout(128, 4096) == SplitLayout(4, ONE_PASS_LEN)
-    assert _backend(132).split_layout(33, 513) == SplitLayout(4, ONE_PASS_LEN)
+    assert _backend(132).split_layout(33, ONE_PASS_LEN + 1) == SplitLayout(4, ONE_PASS_LEN)
 
 
 def test_small_batches_split_every_row_for_parallelism():
     # 1 x 8 programs: 32 splits (capped), each as short as one tile
     assert _backend(132).split_layout(1, 4096) == SplitLayout(32, 0)
     assert _backend(132).split_layout(1, 100) == SplitLayout(32, 0)
-    # 32 x 8 = 256 programs, under 2 per SM: 4 splits, as before
-    assert _backend(132).split_layout(32, 250) == SplitLayout(4, 0)
+    # 16 x 8 = 128 programs, under one per SM: 4 splits
+    assert _backend(132).split_layout(16, 250) == SplitLayout(4, 0)
+
+
+def test_one_program_per_sm_is_enough_for_one_pass_rows():
+    # 17 x 8 = 136 programs cover 132 SMs
+    assert _backend(132).split_layout(17, 250) == SplitLayout(1, 0)
+    assert _backend(132).split_layout(32, ONE_PASS_LEN) == SplitLayout(1, 0)
+    assert _backend(132).split_layout(32, ONE_PASS_LEN + 1) == SplitLayout(4, ONE_PASS_LEN)
 
 
 def test_graph_length_classes_only_where_the_layout_changes():

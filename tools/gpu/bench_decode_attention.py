@@ -52,8 +52,8 @@ CALLS_PER_GRAPH = 32
 L2_SPAN = 512 * 2**20  # KV bytes a graph cycles over, at least (H200 L2: 50 MiB)
 SCALE = D ** -0.5
 # --sweep: split layouts for these cases, and stage-1 tiles (one split) for the first two
-SWEEP_CASES = ("B=128 ctx=250", "B=128 ctx=33..250", "B=128 ctx=1024", "B=32 ctx=250",
-               "B=1 ctx=250")
+SWEEP_CASES = ("B=128 ctx=250", "B=128 ctx=33..250", "B=128 ctx=1024", "B=32 ctx=160",
+               "B=32 ctx=250", "B=1 ctx=160", "B=1 ctx=250")
 SWEEP_LAYOUTS = ((1, 0), (2, 0), (4, 0), (8, 0), (4, 256), (4, 512))
 
 

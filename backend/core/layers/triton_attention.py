@@ -43,8 +43,12 @@ CPU_KV_SPLITS = 8  # no SM count to size for; also what the interpreter tests us
 # A decode batch of at least FILL_PROGRAMS_PER_SM * SMs (request, kv head) pairs keeps the
 # GPU busy without splitting rows: there rows up to ONE_PASS_LEN positions run in one
 # pass (no workspace round trip, no merge), and only longer ones split, for balance.
-FILL_PROGRAMS_PER_SM = 2
-ONE_PASS_LEN = 512
+# Measured on an H100 (8B attention, tools/gpu/bench_decode_attention.py --sweep): at 32 rows (256
+# programs, 132 SMs) one pass takes 12.9 us a layer against 18.5 for four splits at 160
+# positions, 51.5 against 57.9 at 1,024; at 128 rows of 1,024, 181.5 against 200.6. Under
+# one program an SM (16 rows), rows of 512 already run faster split.
+FILL_PROGRAMS_PER_SM = 1
+ONE_PASS_LEN = 1024
 # cascade attention from this shared prefix and this batch size on. Measured on an H100
 # (tools/gpu/bench_cascade.py, 8B attention, 1,024 shared positions): at 4 rows the
 # prefix kernel's launch and merge cost more than the reads they save (0.70x of plain);
