@@ -118,7 +118,8 @@ def _logprobs(tracked: Tracked, entries: list) -> list | None:
 
 def streamed_payload(tracked: Tracked, delta: Delta):
     """One entry per sample: the new output of those in the delta, and what the others'
-    last responses said."""
+    last responses said; the first response also carries the prompt's text when asked."""
+    first_response = not tracked.sent
     samples = []
     for index in range(tracked.num_samples):
         piece = delta.pieces.get(index)
@@ -141,6 +142,7 @@ def streamed_payload(tracked: Tracked, delta: Delta):
     return wire_outputs.generation_outputs(
         samples, outputs=tracked.job.outputs, num_input_tokens=tracked.num_input_tokens,
         context_ids=first.context_ids, prompt_logprobs=prompt_logprobs,
+        input_text=tracked.prompt_text if tracked.job.prepend_input and first_response else "",
         cancel_token=tracked.cancel_token)
 
 

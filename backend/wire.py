@@ -267,9 +267,13 @@ class RequestParser:
         exclude = _flag(inputs, parameters, EXCLUDE_INPUT_IN_OUTPUT)
         # vLLM-backend default: a streamed answer leaves the prompt out, a whole one has it.
         prepend_input = (not stream) if exclude is None else not exclude
-        if stream and prepend_input:
-            raise InputError(f"when streaming, {EXCLUDE_INPUT_IN_OUTPUT} = false is not allowed")
         outputs = _outputs(inputs, parameters, requested)
+        # A stream's text is only what is new; the prompt can come in input_text instead
+        # (of the first response), which is how an echo of a prompt of ids gets its text.
+        # Only a request that asks for it by its flag: an ensemble names every output.
+        if stream and prepend_input and not _flag(inputs, parameters, f"return_{INPUT_TEXT}"):
+            raise InputError(f"when streaming, {EXCLUDE_INPUT_IN_OUTPUT} = false is not "
+                             f"allowed (except with return_{INPUT_TEXT})")
         try:
             params = self._sampling_params(_sampling_dict(inputs, parameters),
                                            CUMULATIVE_LOGPROB in outputs)

@@ -65,6 +65,21 @@ def test_a_client_generation_request_parses_on_the_server_as_sent():
     assert job.outputs == frozenset(client_wire.ALWAYS_RETURNED)
 
 
+def test_a_stream_that_asks_for_the_prompts_text_gets_it_in_input_text():
+    job = server_wire.parse_request(
+        as_inputs(client_wire.encode_request([5, 6, 7], {}, stream=True, prompt_text=True)), {})
+    assert (job.prompt, job.stream, job.prepend_input) == ([5, 6, 7], True, True)
+    assert server_wire.INPUT_TEXT in job.outputs
+    first = wire_outputs.generation_outputs(
+        [SampleOutput(0, " b", [6], None, 1, 0)], outputs=job.outputs, num_input_tokens=3,
+        context_ids=[], input_text="x y z")
+    later = wire_outputs.generation_outputs(
+        [SampleOutput(0, " c", [7], "length", 1, 0)], outputs=job.outputs, num_input_tokens=3,
+        context_ids=[], input_text="")
+    assert [c.prompt_text for c in client_wire.decode_chunks(first.get)] == ["x y z"]
+    assert [c.prompt_text for c in client_wire.decode_chunks(later.get)] == [None]
+
+
 def test_a_client_token_id_request_and_a_scoring_request_parse_on_the_server():
     job = server_wire.parse_request(as_inputs(client_wire.encode_request([5, 6, 7])), {})
     assert job.prompt == [5, 6, 7]

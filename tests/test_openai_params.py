@@ -44,6 +44,18 @@ def test_logprobs_ask_the_engine_for_the_chosen_token_and_the_top_alternatives(w
     assert params.engine_logprobs(want, top) == engine
 
 
+def test_an_echo_with_logprobs_asks_for_the_prompts_too_and_max_tokens_zero_for_one_token():
+    def completion(**fields):
+        return params.completion_params(CompletionRequest(model="llm", prompt=[1, 2], **fields),
+                                        None)
+    assert "prompt_logprobs" not in completion(logprobs=2)
+    assert "prompt_logprobs" not in completion(echo=True)
+    wire = completion(echo=True, logprobs=2, max_tokens=0)
+    assert (wire["prompt_logprobs"], wire["logprobs"], wire["max_tokens"]) == (2, 2, 1)
+    with pytest.raises(OpenAIError, match="max_tokens 0 needs echo"):
+        completion(max_tokens=0)
+
+
 def test_vllm_extensions_and_logit_bias_pass_to_the_engines_keys():
     request = chat(min_tokens=4, logit_bias={"17": -100, "5": 2.5}, stop_token_ids=[3],
                    include_stop_str_in_output=True, allowed_token_ids=[1, 2, 3],

@@ -83,6 +83,10 @@ def test_streaming_refuses_the_prompt_in_the_output_and_best_of_above_n():
     with pytest.raises(wire.InputError, match="when streaming, exclude_input_in_output = "
                                               "false is not allowed"):
         parse(text_input=text("a"), stream=flag(True), exclude_input_in_output=flag(False))
+    # ...unless the prompt is to come in input_text, which a stream's text never holds
+    echo = parse(text_input=text("a"), stream=flag(True), exclude_input_in_output=flag(False),
+                 return_input_text=flag(True))
+    assert echo.prepend_input and wire.INPUT_TEXT in echo.outputs
     with pytest.raises(wire.InputError, match=r"best_of \(3\) > n \(1\) is not supported "
                                               "when streaming"):
         parse({"best_of": 3}, text_input=text("a"), stream=flag(True))

@@ -32,9 +32,10 @@ class AsyncTritonClient:
         chunks = [c async for c in self._chunks(prompt, params, False, request_id)]
         return merge_chunks(chunks)
 
-    def generate_stream(self, prompt: str | Sequence[int], request_id: str | None = None,
-                        **params) -> AsyncIterator[Chunk]:
-        return self._chunks(prompt, params, True, request_id)
+    def generate_stream(self, prompt: str | Sequence[int], request_id: str | None = None, *,
+                        prompt_text: bool = False, **params) -> AsyncIterator[Chunk]:
+        """``prompt_text``: the first chunk carries the prompt as text (``Chunk.prompt_text``)."""
+        return self._chunks(prompt, params, True, request_id, prompt_text)
 
     async def score(self, prompt: str, choices: Sequence[str],
                     request_id: str | None = None) -> ScoreResult:
@@ -55,12 +56,15 @@ class AsyncTritonClient:
     async def close(self) -> None:
         await self._client.close()
 
-    async def _chunks(self, prompt, params, stream: bool, request_id: str | None):
+    async def _chunks(self, prompt, params, stream: bool, request_id: str | None,
+                      prompt_text: bool = False):
         request_id = request_id or uuid.uuid4().hex
-        tensors = wire.encode_request(prompt, sampling_params(params), stream=stream)
+        tensors = wire.encode_request(prompt, sampling_params(params), stream=stream,
+                                      prompt_text=prompt_text)
         async for result in self._responses(tensors, request_id):
             for chunk in wire.decode_chunks(result.as_numpy):
-                if chunk.text or chunk.output_ids or chunk.finish_reason:
+                if (chunk.text or chunk.output_ids or chunk.finish_reason
+                        or chunk.prompt_text is not None or chunk.prompt_logprobs is not None):
                     yield chunk
 
     async def _responses(self, tensors: list[wire.Tensor], request_id: str):

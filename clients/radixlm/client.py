@@ -78,7 +78,8 @@ class Stream:
     def __iter__(self) -> Iterator[Chunk]:
         for result in self._results:
             for chunk in wire.decode_chunks(result.as_numpy):
-                if chunk.text or chunk.output_ids or chunk.finish_reason:
+                if (chunk.text or chunk.output_ids or chunk.finish_reason
+                        or chunk.prompt_text is not None or chunk.prompt_logprobs is not None):
                     yield chunk
 
     def cancel(self) -> bool:
@@ -107,11 +108,13 @@ class TritonClient:
         tensors = wire.encode_request(prompt, sampling_params(params), stream=False)
         return merge_chunks(list(Stream(self, tensors, request_id)))
 
-    def generate_stream(self, prompt: str | Sequence[int], request_id: str | None = None,
-                        **params) -> Stream:
-        """Iterate over new text as the engine produces it (one ``Chunk`` per engine step)."""
+    def generate_stream(self, prompt: str | Sequence[int], request_id: str | None = None, *,
+                        prompt_text: bool = False, **params) -> Stream:
+        """Iterate over new text as the engine produces it (one ``Chunk`` per engine step);
+        ``prompt_text``: the first chunk carries the prompt as text (``Chunk.prompt_text``)."""
         request_id = request_id or uuid.uuid4().hex
-        tensors = wire.encode_request(prompt, sampling_params(params), stream=True)
+        tensors = wire.encode_request(prompt, sampling_params(params), stream=True,
+                                      prompt_text=prompt_text)
         return Stream(self, tensors, request_id)
 
     def score(self, prompt: str, choices: Sequence[str],

@@ -16,6 +16,7 @@ class Chunk(NamedTuple):
     num_cached_tokens: int = 0
     logprobs: Any = None  # the server's logprobs JSON of this chunk's tokens
     prompt_logprobs: Any = None  # the prompt's, when asked (prompt_logprobs)
+    prompt_text: str | None = None  # the prompt as text, when asked (first response only)
 
 
 class GenerateResult(NamedTuple):
@@ -67,7 +68,6 @@ def merge_chunks(chunks: list[Chunk]) -> GenerateResult:
     samples = []
     for index in sorted(by_index):
         parts = by_index[index]
-        last = parts[-1]
         logprobs = [lp for c in parts if c.logprobs for lp in
                     (c.logprobs if isinstance(c.logprobs, list) else [c.logprobs])]
         samples.append(GenerateResult(

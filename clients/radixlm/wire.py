@@ -35,6 +35,7 @@ NUM_CACHED_TOKENS = "num_cached_tokens"
 INDEX = "index"
 LOGPROBS = "logprobs"
 PROMPT_LOGPROBS = "prompt_logprobs"
+INPUT_TEXT = "input_text"
 CHOICE_SCORES = "choice_scores"
 OUTPUTS = {
     TEXT_OUTPUT: "BYTES",
@@ -47,6 +48,7 @@ OUTPUTS = {
     INDEX: "INT32",
     LOGPROBS: "BYTES",
     PROMPT_LOGPROBS: "BYTES",
+    INPUT_TEXT: "BYTES",
     CHOICE_SCORES: "BYTES",
 }
 # The server sends an optional output X only when the request's BOOL input return_X is
@@ -54,7 +56,7 @@ OUTPUTS = {
 ALWAYS_RETURNED = (FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, OUTPUT_IDS,
                    NUM_CACHED_TOKENS, INDEX)
 RETURN_FLAGS = {f"return_{name}": name for name in (*ALWAYS_RETURNED, LOGPROBS,
-                                                     CUMULATIVE_LOGPROB)}
+                                                     CUMULATIVE_LOGPROB, INPUT_TEXT)}
 INPUTS = {
     TEXT_INPUT: ("BYTES", [1]),
     INPUT_IDS: ("INT64", [-1]),
@@ -121,8 +123,11 @@ def sampling_json(params: dict[str, Any]) -> str:
 
 
 def encode_request(prompt: str | Sequence[int], params: dict[str, Any] | None = None,
-                   stream: bool = False, choices: Sequence[str] | None = None) -> list[Tensor]:
-    """Tensors of one request: a generation, or a scoring request when ``choices`` is given."""
+                   stream: bool = False, choices: Sequence[str] | None = None, *,
+                   prompt_text: bool = False) -> list[Tensor]:
+    """Tensors of one request: a generation, or a scoring request when ``choices`` is given.
+    ``prompt_text``: the first response also carries the prompt as text (``input_text``;
+    of a prompt of ids, the server's detokenization of it)."""
     params = params or {}
     if isinstance(prompt, str):
         tensors = [_bytes_tensor(TEXT_INPUT, prompt)]
@@ -130,8 +135,8 @@ def encode_request(prompt: str | Sequence[int], params: dict[str, Any] | None = 
         tensors = [(INPUT_IDS, "INT64", np.asarray(list(prompt), dtype=np.int64))]
     tensors.append((STREAM, "BOOL", np.array([bool(stream)], dtype=bool)))
     tensors.append(_bytes_tensor(SAMPLING_PARAMETERS, sampling_json(params)))
-    tensors.append((EXCLUDE_INPUT_IN_OUTPUT, "BOOL", np.array([True], dtype=bool)))
-    for flag in return_flags(params):
+    tensors.append((EXCLUDE_INPUT_IN_OUTPUT, "BOOL", np.array([not prompt_text], dtype=bool)))
+    for flag in return_flags(params, prompt_text):
         tensors.append((flag, "BOOL", np.array([True], dtype=bool)))
     if choices is not None:
         choices = list(choices)
@@ -141,11 +146,13 @@ def encode_request(prompt: str | Sequence[int], params: dict[str, Any] | None = 
     return tensors
 
 
-def return_flags(params: dict[str, Any]) -> list[str]:
+def return_flags(params: dict[str, Any], prompt_text: bool = False) -> list[str]:
     """The return_* inputs of a generation request with these sampling parameters."""
     names = list(ALWAYS_RETURNED)
     if params.get("logprobs") is not None:
         names.append(LOGPROBS)
+    if prompt_text:
+        names.append(INPUT_TEXT)
     return [f"return_{name}" for name in names]
 
 
@@ -182,6 +189,7 @@ def decode_chunks(get: Callable[[str], np.ndarray | None]) -> list[Chunk]:
     num_in = _ints(get, NUM_INPUT_TOKENS)
     logprobs = [_json(t) for t in _texts(get, LOGPROBS)]
     prompt_logprobs = _json(_text(get, PROMPT_LOGPROBS))
+    prompt_text = _text(get, INPUT_TEXT) or None  # asked for: "" after the first response
     merged = len(texts) > 1
 
     def at(values: list, i: int, default):
@@ -197,7 +205,8 @@ def decode_chunks(get: Callable[[str], np.ndarray | None]) -> list[Chunk]:
             finish_reason=at(reasons, i, ""), num_input_tokens=at(num_in, 0, 0),
             num_output_tokens=count, num_cached_tokens=at(num_cached, i, 0),
             logprobs=at(logprobs, i, None),
-            prompt_logprobs=prompt_logprobs if i == 0 else None))
+            prompt_logprobs=prompt_logprobs if i == 0 else None,
+            prompt_text=prompt_text if i == 0 else None))
     return chunks
 
 

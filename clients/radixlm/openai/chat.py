@@ -104,8 +104,10 @@ async def _chunks(body: ChatCompletionRequest, plan: tools.ToolPlan, flow,
                 call = tools.new_call(plan.named, "")
                 yield event(index, {"tool_calls": [dict(call, index=0)]})
         async for _, chunk in flow:
-            prompt_usage.add(chunk)
             sample = samples[chunk.index]
+            if sample.finish_reason:  # n > 1: a later response repeating how it ended
+                continue
+            prompt_usage.add(chunk)
             sample.add(chunk)
             if held and not chunk.finish_reason:
                 continue

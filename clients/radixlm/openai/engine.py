@@ -76,13 +76,15 @@ class Engine:
             return False
 
     # -- generation ----------------------------------------------------------------------
-    async def stream(self, prompt: str | Sequence[int],
-                     params: dict[str, Any]) -> AsyncIterator[Chunk]:
+    async def stream(self, prompt: str | Sequence[int], params: dict[str, Any],
+                     prompt_text: bool = False) -> AsyncIterator[Chunk]:
         """The request's chunks as the engine sends them (always streamed: samples of
         n > 1 arrive as chunks of their own); leaving the loop early, or the task being
-        cancelled (a client that went away), cancels the request in the engine."""
+        cancelled (a client that went away), cancels the request in the engine.
+        ``prompt_text``: the first chunk carries the prompt as text (an echo's)."""
         produced = False
-        chunks = self._generator.generate_stream(prompt, request_id=uuid.uuid4().hex, **params)
+        chunks = self._generator.generate_stream(prompt, request_id=uuid.uuid4().hex,
+                                                 prompt_text=prompt_text, **params)
         try:
             async with contextlib.aclosing(chunks) as source:
                 async for chunk in source:

@@ -25,10 +25,11 @@ class ClientGone(Exception):
     """The HTTP client disconnected; its engine requests have been cancelled."""
 
 
-async def merged(engine: Engine, prompts: Sequence[str | list[int]],
-                 params: dict[str, Any]) -> AsyncIterator[tuple[int, Chunk]]:
+async def merged(engine: Engine, prompts: Sequence[str | list[int]], params: dict[str, Any],
+                 prompt_text: bool = False) -> AsyncIterator[tuple[int, Chunk]]:
     if len(prompts) == 1:  # the common case: no tasks, no queue
-        async with contextlib.aclosing(engine.stream(prompts[0], params)) as chunks:
+        async with contextlib.aclosing(engine.stream(prompts[0], params,
+                                                     prompt_text)) as chunks:
             async for chunk in chunks:
                 yield 0, chunk
         return
@@ -36,7 +37,8 @@ async def merged(engine: Engine, prompts: Sequence[str | list[int]],
 
     async def pump(index: int, prompt) -> None:
         try:
-            async with contextlib.aclosing(engine.stream(prompt, params)) as chunks:
+            async with contextlib.aclosing(engine.stream(prompt, params,
+                                                         prompt_text)) as chunks:
                 async for chunk in chunks:
                     queue.put_nowait((index, chunk))
             queue.put_nowait((index, _DONE))

@@ -66,10 +66,22 @@ def response_format(fmt: ResponseFormat | None) -> dict | None:
 
 
 def completion_params(request: CompletionRequest, default_max_tokens: int | None) -> dict:
+    """Wire parameters of a completion. ``echo`` with ``logprobs`` also asks for the
+    prompt's (every position but the first, with as many alternatives); ``max_tokens`` 0
+    (with ``echo`` only: the prompt is the whole answer) asks for one token, which the
+    answer then leaves out."""
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    params = sampling(request, request.max_tokens, default_max_tokens,
+    max_tokens = request.max_tokens
+    if max_tokens == 0:
+        if not request.echo:
+            raise bad_request("max_tokens 0 needs echo (the answer is then the prompt)",
+                              "max_tokens")
+        max_tokens = 1
+    params = sampling(request, max_tokens, default_max_tokens,
                       engine_logprobs(request.logprobs is not None, request.logprobs))
+    if request.echo and request.logprobs is not None:
+        params["prompt_logprobs"] = request.logprobs
     if request.best_of is not None:
         params["best_of"] = request.best_of
     fmt = response_format(request.response_format)

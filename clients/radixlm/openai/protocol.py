@@ -139,6 +139,8 @@ Prompt = Union[
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
+    # 0 (with echo) asks for the prompt's logprobs only, as evaluation harnesses do
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     echo: StrictBool = False
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None

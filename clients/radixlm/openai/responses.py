@@ -39,17 +39,24 @@ class Sample:
 
 @dataclass
 class PromptUsage:
-    """One engine request's counts: prompt tokens once, cached tokens of the sample that
-    prefilled (the other samples of n > 1 reuse its prefill)."""
+    """What one engine request said of its prompt: its tokens once, the cached tokens of
+    the sample that prefilled (the other samples of n > 1 reuse its prefill), and, when
+    asked (an echo), its text and its logprobs (the engine's prompt entries)."""
 
     prompt_tokens: int = 0
     cached_tokens: int | None = None
+    text: str = ""
+    logprobs: list[dict] = field(default_factory=list)
 
     def add(self, chunk: Chunk) -> None:
         if chunk.num_input_tokens:
             self.prompt_tokens = chunk.num_input_tokens
             cached = chunk.num_cached_tokens
             self.cached_tokens = cached if self.cached_tokens is None else min(self.cached_tokens, cached)
+        if chunk.prompt_text is not None:
+            self.text = chunk.prompt_text
+        if chunk.prompt_logprobs:
+            self.logprobs = chunk.prompt_logprobs
 
 
 def usage(prompts: list[PromptUsage], samples: list[Sample]) -> dict[str, Any]:
@@ -116,7 +123,9 @@ def completion_logprobs(items: list[dict], ids: list[int], top: int,
     for token, alternatives in zip(parsed.tokens, parsed.top):
         tokens.append(token.text)
         values.append(token.logprob)
-        tops.append({t.text: t.logprob for t in alternatives} if top else None)
+        # a prompt's first position has no logprob and no alternatives
+        known = top and token.logprob is not None
+        tops.append({t.text: t.logprob for t in alternatives} if known else None)
         offsets.append(offset)
         offset += len(token.text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
