@@ -49,7 +49,7 @@ serve: env model
 	@$(BIN)/radixlm-serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 	    --metrics-port $(METRICS_PORT) & server=$$!; \
 	$(BIN)/radixlm-openai --grpc-url localhost:$(GRPC_PORT) --port $(OPENAI_PORT) \
-	    --log-level warning & openai=$$!; \
+	    --tokenizer $(MODEL) --log-level warning & openai=$$!; \
 	trap 'kill $$openai $$server 2>/dev/null; wait $$server' INT TERM; \
 	for i in $$(seq 600); do \
 	    curl -sf localhost:$(HTTP_PORT)/v2/health/ready >/dev/null && break; \

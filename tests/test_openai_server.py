@@ -58,6 +58,9 @@ def engine(triton_server):
 def test_models_and_health(client, openai_server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert requests.get(openai_server.url + "/health", timeout=10).json() == {"status": "ok"}
+    # started without --tokenizer: no tokenizer routes, so clients use their own
+    assert requests.post(openai_server.url + "/tokenize", json={"prompt": "a"},
+                         timeout=10).status_code == 404
 
 
 def test_completion_usage_equals_the_engines_counts(client, engine):

@@ -21,6 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the name clients give as 'model' (default: --model)")
     parser.add_argument("--default-max-tokens", type=int, default=None,
                         help="max_tokens of requests that set none (default: the engine's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the served model's folder (its tokenizer files): serves "
+                             "/tokenize, /detokenize and /tokenizer_info (default: none)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     settings = Settings(grpc_url=args.grpc_url, triton_model=args.model,
                         served_model_name=args.served_model_name or args.model,
-                        default_max_tokens=args.default_max_tokens)
+                        default_max_tokens=args.default_max_tokens, tokenizer=args.tokenizer)
     uvicorn.run(create_app(settings), host=args.host, port=args.port,
                 log_level=args.log_level, timeout_graceful_shutdown=5)
 

@@ -1,4 +1,5 @@
-"""The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /health."""
+"""The FastAPI application: /v1/models, /v1/completions, /v1/chat/completions, /health,
+and, with a tokenizer (``Settings.tokenizer``), /tokenize, /detokenize, /tokenizer_info."""
 from __future__ import annotations
 
 import contextlib
@@ -9,11 +10,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import wire
-from . import chat, completions
+from . import chat, completions, params
 from .engine import Engine
 from .errors import install_handlers, model_not_found, unavailable
 from .generation import ClientGone
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .tokenize import DetokenizeRequest, LocalTokenizer, TokenizeRequest, tokenize
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,8 @@ class Settings:
     served_model_name: str = wire.MODEL_NAME
     # max_tokens of requests that give none (None: the engine's default)
     default_max_tokens: int | None = None
+    # the served model's tokenizer folder, for /tokenize and its kin (None: no such routes)
+    tokenizer: str | None = None
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -79,7 +83,28 @@ def create_app(settings: Settings) -> FastAPI:
         engine = engine_for(request, body.model)
         return await _answer(request, chat.run(engine, body, settings, request))
 
+    if settings.tokenizer is not None:
+        _tokenizer_routes(app, LocalTokenizer(settings.tokenizer), engine_for)
     return app
+
+
+def _tokenizer_routes(app: FastAPI, tokenizer: LocalTokenizer, engine_for) -> None:
+    @app.post("/tokenize")
+    async def tokenize_text(body: TokenizeRequest, request: Request) -> dict:
+        engine = (request.app.state.engine if body.model is None
+                  else engine_for(request, body.model))
+        info = await engine.info() if body.messages is not None else None
+        return tokenize(tokenizer, body, lambda chat: params.chat_prompt(chat, info))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        if body.model is not None:
+            engine_for(request, body.model)
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return tokenizer.info()
 
 
 async def _answer(request: Request, work) -> Response:

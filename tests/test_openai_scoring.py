@@ -1,15 +1,17 @@
-"""Completions that echo their prompt, as evaluation harnesses ask for them (a prompt of
-token ids, ``echo``, ``logprobs``, one or no new token), and streamed samples that end
-once each; radixlm-openai against a real tritonserver serving the default model."""
+"""What evaluation harnesses ask of radixlm-openai: completions that echo and score their
+prompt (a prompt of token ids, ``echo``, ``logprobs``, one or no new token) and the
+tokenizer routes; also streamed samples that end once each. Against a real tritonserver
+serving the default model, radixlm-openai started with ``--tokenizer`` (its folder)."""
 from __future__ import annotations
 
 import math
 
 import openai
 import pytest
+import requests
 from tokenizers import Tokenizer
 
-from conftest import ensure_default_model
+from conftest import DEFAULT_MODEL, ensure_default_model
 from openai_helpers import start_openai_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -20,11 +22,18 @@ CONTINUATION = " Paris"
 
 
 @pytest.fixture(scope="module")
-def client(triton_server, tmp_path_factory):
+def server(triton_server, tmp_path_factory):
+    ensure_default_model()
     server = start_openai_server(triton_server.grpc_url,
-                                 tmp_path_factory.mktemp("openai-echo") / "openai.log")
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+                                 tmp_path_factory.mktemp("openai-scoring") / "openai.log",
+                                 "--tokenizer", str(DEFAULT_MODEL))
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +99,38 @@ def test_streamed_chat_samples_end_once_each(client):
     reasons = sorted((e.choices[0].index, e.choices[0].finish_reason)
                      for e in events if e.choices and e.choices[0].finish_reason)
     assert reasons == [(0, "length"), (1, "length"), (2, "length")]
+
+
+def post(server, route: str, body: dict) -> requests.Response:
+    return requests.post(server.url + route, json=body, timeout=30)
+
+
+def test_tokenize_counts_a_prompt_and_a_chat_as_the_engine_does(server, client, tokenizer):
+    counted = post(server, "/tokenize", {"model": MODEL, "prompt": CONTEXT}).json()
+    answer = client.completions.create(model=MODEL, prompt=CONTEXT, max_tokens=1)
+    assert counted["tokens"] == tokenizer.encode(CONTEXT, add_special_tokens=True).ids
+    assert counted["count"] == len(counted["tokens"]) == answer.usage.prompt_tokens
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat["count"] == answer.usage.prompt_tokens
+    assert post(server, "/detokenize", {"tokens": counted["tokens"]}).json() == {"prompt": CONTEXT}
+
+
+def test_tokenizer_info_names_the_eos_token_a_harness_encodes_to_one_id(server):
+    info = requests.get(server.url + "/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] and "{%" in info["chat_template"]
+    eos = post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert len(eos.json()["tokens"]) == 1
+
+
+@pytest.mark.parametrize("route, body, status, message", [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400,
+     "either 'prompt' or 'messages'"),
+    ("/tokenize", {}, 400, "either 'prompt' or 'messages'"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "outside the vocabulary"),
+    ("/detokenize", {"tokens": [1], "model": "other"}, 404, "does not exist"),
+])
+def test_bad_tokenizer_requests_get_openai_errors(server, route, body, status, message):
+    response = post(server, route, body)
+    assert response.status_code == status and message in response.json()["error"]["message"]
