@@ -72,6 +72,25 @@ def test_every_server_pod_runs_the_openai_sidecar_against_its_own_triton(objects
     assert "--port=8080" in command and "--model=llm" in command
     assert sidecar["ports"] == [{"name": "openai", "containerPort": 8080, "protocol": "TCP"}]
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
+    # the tokenizer routes read the model folder, which the image carries by default
+    assert "--tokenizer=/opt/radixlm/models/default" in command and "volumeMounts" not in sidecar
+
+
+def test_the_sidecar_reads_a_mounted_models_tokenizer_from_its_own_read_only_mount(helm):
+    values = {**ON, "model": {"source": "pvc", "pvc": {"claimName": "weights"},
+                              "subPath": "llama"}}
+    server = by_name(render(helm, values))[("Deployment", "prod-radixlm")]
+    containers = {c["name"]: c for c in server["spec"]["template"]["spec"]["containers"]}
+    sidecar = containers["openai"]
+    assert "--tokenizer=/mnt/model" in _command(sidecar)
+    assert sidecar["volumeMounts"] == [{"name": "model", "mountPath": "/mnt/model",
+                                        "readOnly": True, "subPath": "llama"}]
+    assert sidecar["volumeMounts"][0] in containers["tritonserver"]["volumeMounts"]
+    off = by_name(render(helm, {**values, "openai": {"enabled": True, "tokenizerRoutes": False}}))
+    sidecar = {c["name"]: c for c in off[("Deployment", "prod-radixlm")]["spec"]["template"]
+               ["spec"]["containers"]}["openai"]
+    assert not any(a.startswith("--tokenizer") for a in _command(sidecar))
+    assert "volumeMounts" not in sidecar
 
 
 def test_the_router_discovers_exactly_the_ready_server_pods_at_the_sidecar_port(objects):

@@ -23,6 +23,7 @@ from backend.core.loaders.gguf_reader import read_header, read_tensor
 from engine_helpers import hf_greedy, make_engine, random_prompts
 from gguf_factory import to_gguf, write_gguf
 from model_factory import CHAT_TEMPLATE, build_tiny_model, tiny_tokenizer
+from radixlm.openai.tokenize import LocalTokenizer
 
 NEW_TOKENS = 10
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
@@ -95,6 +96,10 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(root):
     assert tiny.eos_token_id in engine.eos_token_ids
     info = tokenizer_info(gguf)
     assert (info.chat_template, info.eos_token) == (CHAT_TEMPLATE, "<|im_end|>")
+    # radixlm-openai --tokenizer <the file> counts tokens as the engine does
+    local = LocalTokenizer(str(gguf))
+    for text in ("Xin chào thế giới! 你好", "def add(a, b):\n    return a + b"):
+        assert local.encode(text, add_special_tokens=True) == engine.tokenizer.encode(text)
 
 
 def test_a_folder_holding_one_gguf_is_a_model_path_and_two_are_ambiguous(root):

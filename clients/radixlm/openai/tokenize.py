@@ -12,6 +12,7 @@ default (the template writes them), as vLLM does.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
@@ -37,7 +38,8 @@ class DetokenizeRequest(_Model):
 
 class LocalTokenizer:
     """The served model's tokenizer files, loaded as transformers' fast tokenizer (the
-    same rules as the engine's ``AutoTokenizer``, without torch)."""
+    same rules as the engine's ``AutoTokenizer``, without torch): a folder's
+    tokenizer.json, else the tokenizer a GGUF file (or a folder's one) carries."""
 
     def __init__(self, path: str):
         try:
@@ -45,8 +47,10 @@ class LocalTokenizer:
         except ImportError as exc:
             raise SystemExit("--tokenizer needs the transformers package "
                              "(pip install transformers)") from exc
+        folder, gguf = _gguf_file(Path(path))
         try:
-            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(
+                str(folder), **({"gguf_file": gguf} if gguf else {}))
         except (OSError, ValueError) as exc:
             raise SystemExit(f"--tokenizer {path}: no tokenizer files there ({exc})") from exc
 
@@ -69,6 +73,17 @@ class LocalTokenizer:
                 "bos_token": t.bos_token, "pad_token": t.pad_token, "unk_token": t.unk_token,
                 "chat_template": t.chat_template, "model_max_length": self.max_model_len(),
                 "vocab_size": len(t)}
+
+
+def _gguf_file(path: Path) -> tuple[Path, str | None]:
+    """(folder, GGUF file name) when the tokenizer comes from a GGUF file."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir() and not (path / "tokenizer.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if found:
+            return path, found[0].name
+    return path, None
 
 
 def tokenize(tokenizer: LocalTokenizer, body: TokenizeRequest, chat_text) -> dict[str, Any]:

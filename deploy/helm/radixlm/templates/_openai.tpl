@@ -18,6 +18,20 @@ front of the pods (sglang-router). Kept apart from the server's own templates.
     {{- with .Values.openai.defaultMaxTokens }}
     - --default-max-tokens={{ . | int }}
     {{- end }}
+    {{- if .Values.openai.tokenizerRoutes }}
+    - --tokenizer={{ include "radixlm.modelPath" . }}
+    {{- end }}
+  {{- if and .Values.openai.tokenizerRoutes (ne .Values.model.source "image") }}
+  # the model folder's tokenizer files, for /tokenize and its kin (read-only, as the
+  # server container mounts it)
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
+      readOnly: true
+      {{- with .Values.model.subPath }}
+      subPath: {{ . }}
+      {{- end }}
+  {{- end }}
   ports:
     - name: openai
       containerPort: {{ .Values.openai.port | int }}
