@@ -57,6 +57,14 @@ def start(command: list[str], url: str, ready_path: str, log_path: Path) -> Proc
     return started
 
 
+def official_client(server: Process):
+    """The official openai client of a started radixlm-openai (no retries: a test sees
+    the first answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
 def start_openai_server(grpc_url: str, log_path: Path, *extra: str) -> Process:
     (port,) = free_ports(1)
     script = Path(sys.prefix) / "bin" / "radixlm-openai"

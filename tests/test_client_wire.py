@@ -80,6 +80,17 @@ def test_a_stream_that_asks_for_the_prompts_text_gets_it_in_input_text():
     assert [c.prompt_text for c in client_wire.decode_chunks(later.get)] == [None]
 
 
+def test_a_samples_entry_that_only_says_it_is_still_running_is_not_passed_on():
+    outputs = wire_outputs.generation_outputs(
+        [SampleOutput(0, "", [], None, 0, 0), SampleOutput(1, " b", [6], None, 1, 0)],
+        outputs=frozenset(client_wire.ALWAYS_RETURNED), num_input_tokens=3, context_ids=[])
+    running, new = client_wire.decode_chunks(outputs.get)
+    assert not running.says_something and new.says_something
+    assert client_wire.decode_chunks(wire_outputs.generation_outputs(
+        [SampleOutput(0, "", [], "stop", 0, 0)], outputs=frozenset(client_wire.ALWAYS_RETURNED),
+        num_input_tokens=3, context_ids=[]).get)[0].says_something  # its end
+
+
 def test_a_client_token_id_request_and_a_scoring_request_parse_on_the_server():
     job = server_wire.parse_request(as_inputs(client_wire.encode_request([5, 6, 7])), {})
     assert job.prompt == [5, 6, 7]

@@ -12,7 +12,7 @@ import requests
 from tokenizers import Tokenizer
 
 from conftest import DEFAULT_MODEL, ensure_default_model
-from openai_helpers import start_openai_server
+from openai_helpers import official_client, start_openai_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ def server(triton_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return official_client(server)
 
 
 @pytest.fixture(scope="module")

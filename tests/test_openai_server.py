@@ -17,7 +17,7 @@ import radixlm
 import requests
 
 from conftest import server_stats
-from openai_helpers import start_openai_server
+from openai_helpers import official_client, start_openai_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def openai_server(triton_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(openai_server):
-    return openai.OpenAI(base_url=openai_server.url + "/v1", api_key="unused", max_retries=0)
+    return official_client(openai_server)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ Each size is captured once per length class of the attention backend
 bound on the longest row, which is all a decode launch may size itself by. A replay
 takes the first class whose bound holds the batch's longest row (with the Triton
 backend at large batch: rows up to ONE_PASS_LEN (1,024) positions get a one-pass grid,
-longer ones the split grid). Where the backend attends to a prefix that all rows share once for the batch
-(cascade attention, from ``cascade_min_prefix`` tokens on), each size and class is also
-captured with that bound as the static batch's shared prefix; a replay takes that graph
-when the batch shares at least as much, and copies the real length into the graph's
-one-element buffer.
+longer ones the split grid). Where the backend attends to a prefix that all rows share
+once for the batch (cascade attention, from ``cascade_min_prefix`` tokens on), each size
+and class is also captured with that bound as the static batch's shared prefix; a replay
+takes that graph when the batch shares at least as much, and copies the real length into
+the graph's one-element buffer.
 
 The graph ends at the final norm and the LM head runs outside it on the real rows only,
 so no [B, vocab] buffer is kept per captured size. At batch 1 with the fused

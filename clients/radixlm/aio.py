@@ -63,8 +63,7 @@ class AsyncTritonClient:
                                       prompt_text=prompt_text)
         async for result in self._responses(tensors, request_id):
             for chunk in wire.decode_chunks(result.as_numpy):
-                if (chunk.text or chunk.output_ids or chunk.finish_reason
-                        or chunk.prompt_text is not None or chunk.prompt_logprobs is not None):
+                if chunk.says_something:
                     yield chunk
 
     async def _responses(self, tensors: list[wire.Tensor], request_id: str):

@@ -78,8 +78,7 @@ class Stream:
     def __iter__(self) -> Iterator[Chunk]:
         for result in self._results:
             for chunk in wire.decode_chunks(result.as_numpy):
-                if (chunk.text or chunk.output_ids or chunk.finish_reason
-                        or chunk.prompt_text is not None or chunk.prompt_logprobs is not None):
+                if chunk.says_something:
                     yield chunk
 
     def cancel(self) -> bool:

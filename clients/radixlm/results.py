@@ -18,6 +18,13 @@ class Chunk(NamedTuple):
     prompt_logprobs: Any = None  # the prompt's, when asked (prompt_logprobs)
     prompt_text: str | None = None  # the prompt as text, when asked (first response only)
 
+    @property
+    def says_something(self) -> bool:
+        """False for a sample's entry that only repeats it is still running (a response
+        of n > 1 samples holds one for every sample)."""
+        return bool(self.text or self.output_ids or self.finish_reason
+                    or self.prompt_text is not None or self.prompt_logprobs is not None)
+
 
 class GenerateResult(NamedTuple):
     """The whole output of one sample; ``samples`` holds all of them when n > 1."""

@@ -14,8 +14,9 @@ from . import chat, completions, params
 from .engine import Engine
 from .errors import install_handlers, model_not_found, unavailable
 from .generation import ClientGone
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .tokenize import DetokenizeRequest, LocalTokenizer, TokenizeRequest, tokenize
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest)
+from .tokenize import LocalTokenizer, tokenize
 
 
 @dataclass(frozen=True)

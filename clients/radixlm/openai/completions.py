@@ -59,9 +59,9 @@ async def _answered(body: CompletionRequest, flow):
 
 
 def _prompt_only(chunk: Chunk) -> Chunk:
-    # the answer ends where max_tokens put it, whatever the token left out was
-    reason = "length" if chunk.finish_reason and chunk.finish_reason != "abort" else \
-        chunk.finish_reason
+    reason = chunk.finish_reason
+    if reason and reason != "abort":
+        reason = "length"  # the answer ends where max_tokens put it, whatever the token was
     return chunk._replace(text="", output_ids=(), num_output_tokens=0, logprobs=None,
                           finish_reason=reason)
 
@@ -77,7 +77,7 @@ def _echoed(body: CompletionRequest, prompt: PromptUsage, generated: dict | None
     """A choice's logprobs behind the prompt's (positions from 0, the first null)."""
     if body.logprobs is None:
         return None
-    ids = [entry.get("token_id") for entry in prompt.logprobs]
+    ids = [entry["token_id"] for entry in prompt.logprobs]
     head = completion_logprobs(prompt.logprobs, ids, body.logprobs)
     if generated is None:
         return head

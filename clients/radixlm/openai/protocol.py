@@ -148,6 +148,18 @@ class CompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
+class TokenizeRequest(_Model):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for prompt, false for messages
+
+
+class DetokenizeRequest(_Model):
+    model: StrictStr | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None

@@ -13,27 +13,13 @@ default (the template writes them), as vLLM does.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
-
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from typing import Any
 
 from .errors import bad_request
-from .protocol import ChatCompletionRequest, ChatMessage, _Model
+from .protocol import ChatCompletionRequest, TokenizeRequest
 
 # the tokenizer's model_max_length when its files set none (transformers' placeholder)
 _UNSET_LENGTH = 10**12
-
-
-class TokenizeRequest(_Model):
-    model: StrictStr | None = None
-    prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool | None = None  # default: true for prompt, false for messages
-
-
-class DetokenizeRequest(_Model):
-    model: StrictStr | None = None
-    tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
 class LocalTokenizer:
