@@ -21,6 +21,8 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
+from interpreter_cases import InterpreterWorkers
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO / "model_repository"
 DEFAULT_MODEL = REPO / "models" / "default"
@@ -32,6 +34,39 @@ SERVER_START_TIMEOUT_S = 300
 ADMIN_TOKEN = secrets.token_hex(16)
 ADMIN_HEADERS = {"radixlm-admin-token": ADMIN_TOKEN}
 ADMIN_PARAMETERS = {"radixlm-admin-token": ADMIN_TOKEN}
+
+
+INTERPRETER_WORKERS = pytest.StashKey[InterpreterWorkers]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the kernel modules' interpreter children (interpreter_cases.py) in the
+    background, in the order the modules will run."""
+    if session.config.option.collectonly:
+        return
+    files: list[str] = []
+    for item in session.items:
+        if "interpreter_workers" in item.fixturenames and str(item.path) not in files:
+            files.append(str(item.path))
+    workers = InterpreterWorkers(files)
+    session.config.stash[INTERPRETER_WORKERS] = workers
+    workers.start()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    workers = config.stash.get(INTERPRETER_WORKERS, None)
+    if workers is not None:
+        workers.stop()
+
+
+@pytest.fixture(scope="session")
+def interpreter_workers(pytestconfig) -> InterpreterWorkers:
+    """The session's interpreter children; a kernel module's ``results`` fixture asks it
+    for its own (see interpreter_cases.py)."""
+    workers = pytestconfig.stash.get(INTERPRETER_WORKERS, None)
+    if workers is None:  # collected without the hook's start (--collect-only)
+        workers = pytestconfig.stash[INTERPRETER_WORKERS] = InterpreterWorkers([])
+    return workers
 
 
 def ensure_default_model() -> Path:

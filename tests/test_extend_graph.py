@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from interpreter_cases import REPO, results_of, run_cases
+from interpreter_cases import REPO, run_cases
 
 POOL_SLOTS = 400
 TABLE_ROWS = 8
@@ -176,8 +176,8 @@ def _worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return results_of(__file__)
+def results(interpreter_workers):
+    return interpreter_workers.results(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from interpreter_cases import REPO, results_of, run_cases
+from interpreter_cases import REPO, run_cases
 from sm90_compile import compile_for_h200
 
 FP8 = torch.float8_e4m3fn
@@ -162,8 +162,8 @@ def _worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return results_of(__file__)
+def results(interpreter_workers):
+    return interpreter_workers.results(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

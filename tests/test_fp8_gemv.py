@@ -16,7 +16,7 @@ import torch
 
 from backend.core.layers.fp8_linear import WEIGHT_ONLY_ROWS
 from backend.core.kernels.fp8_gemv_tiles import split_k_tiles
-from interpreter_cases import REPO, results_of, run_cases
+from interpreter_cases import REPO, run_cases
 
 FP8 = torch.float8_e4m3fn
 
@@ -301,8 +301,8 @@ def _worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return results_of(__file__)
+def results(interpreter_workers):
+    return interpreter_workers.results(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from interpreter_cases import REPO, results_of, run_cases
+from interpreter_cases import REPO, run_cases
 
 FP8 = torch.float8_e4m3fn
 SCALES_K = [0.004, 0.02]  # per KV head: values reach about 4 / scale, well past 448 for none
@@ -157,8 +157,8 @@ def _worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return results_of(__file__)
+def results(interpreter_workers):
+    return interpreter_workers.results(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

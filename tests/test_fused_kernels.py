@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from interpreter_cases import REPO, results_of, run_cases
+from interpreter_cases import REPO, run_cases
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -265,8 +265,8 @@ def _worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return results_of(__file__)
+def results(interpreter_workers):
+    return interpreter_workers.results(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interpreter_cases import REPO, results_of, run_cases
+from interpreter_cases import REPO, run_cases
 
 SMALL_TILES = dict(block_n=32, block_m=16, block_k=32, warps=4, stages=2)
 
@@ -89,8 +89,8 @@ def _worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return results_of(__file__)
+def results(interpreter_workers):
+    return interpreter_workers.results(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
