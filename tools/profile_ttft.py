@@ -1,10 +1,13 @@
 """Where the time to first token goes, in-process, on a CUDA GPU.
 
     python tools/profile_ttft.py --model /tmp/shapes/llama-1b [--batch 1 32] \
-        [--prompt-len 32 512] [--out DIR]
+        [--prompt-len 32 512] [--shared-prefix N] [--quantization fp8] [--out DIR]
 
 For each (batch, prompt length): submit that many fresh prompts (random tokens: no cache
-hits) to an idle engine and step it until every request has its first token. Per case:
+hits) to an idle engine and step it until every request has its first token. With
+``--shared-prefix N`` the prompts of one repetition start with the same N tokens (fresh
+for each repetition), as the suite's few-shot row does: ``--batch 64 --prompt-len 1056
+--shared-prefix 1024``. Per case:
   * TTFT: wall time from the first add_request to the step that returned the last
     first token, over several repetitions (median), and the steps it took with the wall
     time of each;
@@ -72,6 +75,9 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[32, 512])
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="the first N tokens of a repetition's prompts are the same")
+    ap.add_argument("--quantization", default="none", help="EngineConfig.quantization (fp8)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--out", default=None)
@@ -79,13 +85,18 @@ def main() -> int:
     on_cuda = args.device == "cuda"
     eng = Engine(EngineConfig(model_path=args.model, device=args.device,
                               dtype="bfloat16" if on_cuda else "float32", load_format="dummy",
-                              max_total_tokens=200_000, max_running_requests=256))
+                              max_total_tokens=200_000, max_running_requests=256,
+                              quantization=args.quantization))
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     vocab = min(eng.runner.vocab_size, 120_000)
 
+    def tokens(n):
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
     def prompts(b, n):
-        return [[rng.randrange(100, vocab) for _ in range(n)] for _ in range(b)]
+        shared = tokens(min(args.shared_prefix, n))
+        return [shared + tokens(n - len(shared)) for _ in range(b)]
 
     first_tokens(eng, prompts(2, 40), params)  # first use of the sampling path etc.
     results, text = [], io.StringIO()
@@ -114,13 +125,14 @@ def main() -> int:
             pr.disable()
             host = io.StringIO()
             pstats.Stats(pr, stream=host).sort_stats("cumulative").print_stats(30)
-            row = {"batch": b, "prompt_len": n, "ttft_ms_median": statistics.median(runs),
+            row = {"batch": b, "prompt_len": n, "shared_prefix": args.shared_prefix,
+                   "quantization": args.quantization, "ttft_ms_median": statistics.median(runs),
                    "ttft_ms_runs": [round(r, 3) for r in runs],
                    "triton_compiles": compiles, "steps": [len(s) for s in steps], "step_ms": [[round(x, 3) for x in s] for s in steps],
                    "profiled_wall_ms": round(wall, 3), "device_busy_ms": round(busy, 3),
                    "kernels_ms": [(k, round(t, 3), c) for k, t, c in kernels]}
             results.append(row)
-            head = (f"b={b} prompt={n}: TTFT median {row['ttft_ms_median']:.2f} ms "
+            head = (f"b={b} prompt={n} shared={args.shared_prefix} {args.quantization}: TTFT median {row['ttft_ms_median']:.2f} ms "
                     f"(runs {row['ttft_ms_runs']}), compiles {compiles}, steps {row['steps']}, "
                     f"step ms {row['step_ms'][0]}; "
                     f"profiled: wall {wall:.2f} ms, device busy {busy:.2f} ms")
