@@ -1,7 +1,6 @@
 """The client's wire contract (clients/radixlm/wire.py) agrees with the server's (backend/wire.py)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path

@@ -10,7 +10,7 @@ from torch import nn
 
 from backend.core import EngineConfig, SamplingParams
 from backend.core.fp8 import FP8_DTYPE
-from backend.core.layers.fp8_linear import Fp8Linear, emulated_mm, quantize_linears, \
+from backend.core.layers.fp8_linear import Fp8Linear, emulated_mm, \
     quantize_tokens, scaled_mm
 from backend.core.memory_pool import KVPool
 from backend.model_config import engine_config_from_parameters

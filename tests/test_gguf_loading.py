@@ -8,7 +8,6 @@ reason: another architecture, another tensor type, a truncated file, a pickled c
 from __future__ import annotations
 
 import json
-import pickle  # noqa: F401  (the refused checkpoint below is a pickle)
 import shutil
 from pathlib import Path
 
