@@ -44,11 +44,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     background, in the order the modules will run."""
     if session.config.option.collectonly:
         return
-    files: list[str] = []
-    for item in session.items:
-        if "interpreter_workers" in item.fixturenames and str(item.path) not in files:
-            files.append(str(item.path))
-    workers = InterpreterWorkers(files)
+    files = dict.fromkeys(str(item.path) for item in session.items
+                          if "interpreter_results" in item.fixturenames)
+    workers = InterpreterWorkers(list(files))
     session.config.stash[INTERPRETER_WORKERS] = workers
     workers.start()
 
@@ -59,14 +57,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         workers.stop()
 
 
-@pytest.fixture(scope="session")
-def interpreter_workers(pytestconfig) -> InterpreterWorkers:
-    """The session's interpreter children; a kernel module's ``results`` fixture asks it
-    for its own (see interpreter_cases.py)."""
-    workers = pytestconfig.stash.get(INTERPRETER_WORKERS, None)
-    if workers is None:  # collected without the hook's start (--collect-only)
-        workers = pytestconfig.stash[INTERPRETER_WORKERS] = InterpreterWorkers([])
-    return workers
+@pytest.fixture(scope="module")
+def interpreter_results(request) -> dict[str, str]:
+    """A kernel module's case outcomes ("ok" or the traceback), by case id: what its
+    interpreter child reported (see interpreter_cases.py)."""
+    return request.config.stash[INTERPRETER_WORKERS].results(str(request.path))
 
 
 def ensure_default_model() -> Path:

@@ -9,10 +9,11 @@ The interpreter is slow (about five minutes of the suite's CPU time on the 2-cor
 machine) and the rest of the suite spends much of its time waiting on servers, so
 ``InterpreterWorkers`` starts the children in the background when collection ends, one at
 a time in the order their modules will run, and a module's fixture then only collects
-its child's outcome (or starts it at once, when its turn has not come). On that machine
-the suite went from 1,335 to 1,131 s (1,265 s in a run beside other work). Running the kernel modules last instead, so that
-no test waits for its child, was slower (1,252 s): the children then share the CPU
-with the engine and server tests."""
+its child's outcome (conftest.py's ``interpreter_results``), or starts it at once when
+its turn has not come. On that machine the suite went from 1,335 to 1,131 s (1,265 s in
+a run beside other work). Running the kernel modules last instead, so that no test
+waits for its child, was slower (1,252 s): the children then share the CPU with the
+engine and server tests."""
 from __future__ import annotations
 
 import json
@@ -62,7 +63,7 @@ class InterpreterWorkers:
 
     def __init__(self, test_files: list[str]) -> None:
         self._queue = [str(Path(f).resolve()) for f in test_files]
-        self._folder = Path(tempfile.mkdtemp(prefix="radixlm-interpreter-"))
+        self.output_folder = Path(tempfile.mkdtemp(prefix="radixlm-interpreter-"))
         self._children: dict[str, _Child] = {}
         self._lock = threading.Lock()
         self._stopped = False
@@ -86,6 +87,16 @@ class InterpreterWorkers:
         assert code == 0 and lines, f"worker failed:\n{out}\n{err}"
         return json.loads(lines[-1][len(MARK):])
 
+    def started(self) -> list[str]:
+        """The files whose child has started, in the order they started."""
+        with self._lock:
+            return list(self._children)
+
+    def running(self) -> int:
+        """How many children have not exited yet."""
+        with self._lock:
+            return sum(c.process.poll() is None for c in self._children.values())
+
     def stop(self) -> None:
         """Kill the children still running (a session cut short); remove their output."""
         with self._lock:
@@ -95,7 +106,7 @@ class InterpreterWorkers:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        shutil.rmtree(self.output_folder, ignore_errors=True)
 
     def _child(self, test_file: str, background: bool = False) -> _Child:
         with self._lock:
@@ -123,7 +134,7 @@ class InterpreterWorkers:
         if background:  # leave the other core to the tests running meanwhile
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         stem = Path(test_file).stem
-        stdout, stderr = self._folder / f"{stem}.out", self._folder / f"{stem}.err"
+        stdout, stderr = self.output_folder / f"{stem}.out", self.output_folder / f"{stem}.err"
         with stdout.open("w") as out, stderr.open("w") as err:
             process = subprocess.Popen([sys.executable, test_file], cwd=REPO, env=env,
                                        stdout=out, stderr=err, text=True)

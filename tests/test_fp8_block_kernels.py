@@ -161,14 +161,10 @@ def _worker() -> None:
     run_cases(CASES)
 
 
-@pytest.fixture(scope="module")
-def results(interpreter_workers):
-    return interpreter_workers.results(__file__)
-
-
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_fp8_block_kernel_case(results, case_id):
-    assert results.get(case_id) == "ok", results.get(case_id, "case did not run")
+def test_fp8_block_kernel_case(interpreter_results, case_id):
+    outcome = interpreter_results.get(case_id, "case did not run")
+    assert outcome == "ok", outcome
 
 
 if __name__ == "__main__":

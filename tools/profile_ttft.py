@@ -132,7 +132,8 @@ def main() -> int:
                    "profiled_wall_ms": round(wall, 3), "device_busy_ms": round(busy, 3),
                    "kernels_ms": [(k, round(t, 3), c) for k, t, c in kernels]}
             results.append(row)
-            head = (f"b={b} prompt={n} shared={args.shared_prefix} {args.quantization}: TTFT median {row['ttft_ms_median']:.2f} ms "
+            head = (f"b={b} prompt={n} shared={args.shared_prefix} {args.quantization}: "
+                    f"TTFT median {row['ttft_ms_median']:.2f} ms "
                     f"(runs {row['ttft_ms_runs']}), compiles {compiles}, steps {row['steps']}, "
                     f"step ms {row['step_ms'][0]}; "
                     f"profiled: wall {wall:.2f} ms, device busy {busy:.2f} ms")
