@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.core.forward_batch import ForwardBatch  # noqa: E402
 from backend.core.kernels import decode_attention, decode_workspace_numel, store_kv  # noqa: E402
-from backend.core.kernels import extend_attention  # noqa: E402
+from backend.core.kernels import ExtendTiles, extend_attention, extend_tiles  # noqa: E402
 from backend.core.layers.attention import TorchAttention  # noqa: E402
 from backend.core.layers.triton_attention import TritonAttention  # noqa: E402
 from backend.core.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
@@ -235,20 +236,37 @@ def time_decode(s: Setup, batch_size, ctx, splits_list):
               f"{kv_bytes / ms / 1e9:>9.0f} GB/s")
 
 
-def time_extend(s: Setup, prefix_lens, ext_lens):
+def time_extend(s: Setup, prefix_lens, ext_lens, alternatives=()):
+    """The default tiles' time, then each of ``alternatives`` (``ExtendTiles``) on the
+    same batch, marked with its tiles."""
     b, q, k, v = s.batch(prefix_lens, ext_lens)
     store_kv(s.pool.k_buffer[0], s.pool.v_buffer[0], b.out_cache_loc, k, v)
     out = torch.empty_like(q)
     torch_ms = bench(lambda: TorchAttention(s.pool, s.r2t.req_to_token).forward(q, k, v, 0, b, 0.1),
                      iters=5, warmup=1)
-    ms = bench(lambda: extend_attention(q, out, s.pool.k_buffer[0], s.pool.v_buffer[0],
-                                        s.r2t.req_to_token, b.req_pool_indices, b.seq_lens,
-                                        b.extend_prefix_lens, b.qo_indptr, b.max_extend_len, 0.1))
     # causal: query j of a request sees prefix + j + 1 keys; QK^T and PV are 2 flops/MAC each
     visible = sum(n * p + n * (n + 1) // 2 for p, n in zip(prefix_lens, ext_lens))
-    tflops = 4 * s.h * s.d * visible / ms / 1e9
-    tag = f"extend B={len(ext_lens)} prefix={max(prefix_lens)} ext={max(ext_lens)}"
-    print(f"{tag:<44} {torch_ms:>10.3f} {ms:>10.3f} {torch_ms / ms:>8.1f}x {tflops:>9.1f} TFLOP/s")
+    default = extend_tiles(s.dtype, s.d, s.h // s.kvh, b.max_extend_len)
+    for tiles in (default, *[t for t in alternatives if t != default]):
+        ms = bench(lambda: extend_attention(
+            q, out, s.pool.k_buffer[0], s.pool.v_buffer[0], s.r2t.req_to_token,
+            b.req_pool_indices, b.seq_lens, b.extend_prefix_lens, b.qo_indptr,
+            b.max_extend_len, 0.1, tiles=tiles))
+        tflops = 4 * s.h * s.d * visible / ms / 1e9
+        tag = (f"extend B={len(ext_lens)} prefix={max(prefix_lens)} ext={max(ext_lens)} "
+               f"{tiles.block_m}x{tiles.block_n}h{tiles.heads}w{tiles.num_warps}"
+               f"{'*' if tiles == default else ''}")
+        print(f"{tag:<44} {torch_ms:>10.3f} {ms:>10.3f} {torch_ms / ms:>8.1f}x "
+              f"{tflops:>9.1f} TFLOP/s")
+
+
+def parse_tiles(spec: str) -> ExtendTiles:
+    """``BMxBNhHEADSwWARPS`` (e.g. 128x32h4w8) as ``ExtendTiles`` with 2 stages."""
+    m = re.fullmatch(r"(\d+)x(\d+)h(\d+)w(\d+)", spec)
+    if not m:
+        raise argparse.ArgumentTypeError(f"tiles {spec!r}: expected BMxBNhHEADSwWARPS")
+    block_m, block_n, heads, warps = map(int, m.groups())
+    return ExtendTiles(block_m, block_n, heads, warps, 2)
 
 
 def time_store(s: Setup, num_reqs, tokens_per_req):
@@ -270,6 +288,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-ctx", type=int, default=4096)
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--extend-tiles", type=parse_tiles, nargs="*", default=[],
+                    help="extend tiles to time beside the default, e.g. 128x32h4w8 64x64h4w4")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -286,6 +306,8 @@ def main() -> int:
           [0] * 8, [rnd.randint(1, 2048) for _ in range(8)])
     check("extend chunked: prefix 0..2048 + ext 1..1024", main_setup,
           [rnd.randint(0, 2048) for _ in range(8)], [rnd.randint(1, 1024) for _ in range(8)])
+    check(f"few-shot: {bsz} x (prefix 1024 + ext 32)", main_setup, [1024] * bsz, [32] * bsz)
+    check(f"short: {bsz} x ext 5..8", main_setup, [0] * bsz, [rnd.randint(5, 8) for _ in range(bsz)])
     check(f"mixed: 4 chunks + {bsz - 4} decode rows", main_setup,
           [rnd.randint(0, ctx // 2) for _ in range(bsz)],
           [rnd.randint(ctx // 8, ctx // 2) for _ in range(4)] + [1] * (bsz - 4))
@@ -316,10 +338,15 @@ def main() -> int:
     for c in (512, 1024, 2048, ctx):
         time_decode(main_setup, bsz, c, [4, 8, 16])
     time_decode(main_setup, 1, ctx, [8, 16, 32])
-    time_extend(main_setup, [0] * 8, [2048] * 8)
-    time_extend(main_setup, [0], [ctx])
-    time_extend(main_setup, [2048] * 4, [1024] * 4)
-    time_extend(main_setup, [rnd.randint(0, 2048) for _ in range(bsz)], [512] * 4 + [1] * (bsz - 4))
+    alt = args.extend_tiles
+    time_extend(main_setup, [0] * 8, [2048] * 8, alt)
+    time_extend(main_setup, [0], [ctx], alt)
+    time_extend(main_setup, [2048] * 4, [1024] * 4, alt)
+    time_extend(main_setup, [rnd.randint(0, 2048) for _ in range(bsz)], [512] * 4 + [1] * (bsz - 4),
+                alt)
+    time_extend(main_setup, [1024] * bsz, [32] * bsz, alt)  # few-shot: questions after a cached prefix
+    time_extend(main_setup, [0] * bsz, [256] * bsz, alt)  # a burst of 256-token prompts
+    time_extend(main_setup, [0] * bsz, [7] * bsz, alt)  # short prompts (32-row tiles at GROUP 4)
     time_store(main_setup, bsz, 1)  # a decode step
     time_store(main_setup, 8, 1024)  # an 8k-token prefill step
 

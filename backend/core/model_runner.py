@@ -191,11 +191,14 @@ class ModelRunner:
     WARMUP_EXTEND_LENS = (1, 16, 32, 64, 128, 256)
 
     def warm_up(self) -> None:
-        """Run one dummy extend per kernel tile size, so Triton compiles its kernels at
+        """Run one dummy extend per kernel tile size (the round lengths for the GEMMs, the
+        attention backend's own for its prefill tiles), so Triton compiles its kernels at
         start-up instead of inside the first requests of each size (a compile takes far
         longer than a step). Dummy tokens use table row 0 and KV slot 0, never handed out."""
-        for n in self.WARMUP_EXTEND_LENS:
-            n = min(n, self.context_len)
+        attention = self.attn.extend_warmup_lens(self.model.layers[0].self_attn.num_heads,
+                                                 self.dtype)
+        for n in sorted({min(n, self.context_len)
+                         for n in (*self.WARMUP_EXTEND_LENS, *attention)}):
             batch = ForwardBatch.build(input_ids=[0] * n, req_pool_indices=[0], extend_prefix_lens=[0],
                                        extend_seq_lens=[n], out_cache_loc=[0] * n,
                                        logits_indices=[n - 1], device=self.to_device)

@@ -9,8 +9,9 @@ Under ``TRITON_INTERPRET=1`` (read when the modules are imported) they run on CP
 """
 from .decode_attention import (DecodeRope, SharedPrefix, decode_attention,
                                decode_workspace_numel)
-from .extend_attention import extend_attention
+from .extend_attention import ExtendTiles, extend_attention, extend_tiles, extend_warmup_lens
 from .kv_store import store_kv
 
-__all__ = ["store_kv", "extend_attention", "decode_attention", "decode_workspace_numel",
+__all__ = ["store_kv", "extend_attention", "extend_tiles", "extend_warmup_lens", "ExtendTiles",
+           "decode_attention", "decode_workspace_numel",
            "DecodeRope", "SharedPrefix"]

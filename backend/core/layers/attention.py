@@ -46,6 +46,12 @@ class AttentionBackend(ABC):
         batch's shared prefix serves any batch sharing at least that much."""
         return 0
 
+    def extend_warmup_lens(self, num_heads: int, dtype: torch.dtype) -> list[int]:
+        """Extend lengths between which this backend's prefill kernels differ (compiled
+        variants) for a model of ``num_heads`` query heads computing in ``dtype``: one
+        dummy extend of each at start-up compiles them all."""
+        return []
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float, *, window: int = 0,

@@ -31,7 +31,7 @@ import triton
 
 from ..forward_batch import ForwardBatch
 from ..kernels import (DecodeRope, SharedPrefix, decode_attention, decode_workspace_numel,
-                       extend_attention, store_kv)
+                       extend_attention, extend_warmup_lens, store_kv)
 from ..kernels.decode_attention import DecodeTiles, prefix_rows
 from ..kernels.fused import rotary_store_kv
 from ..memory_pool import KVPool
@@ -99,6 +99,11 @@ class TritonAttention(AttentionBackend):
         if self.cascade and batch_size >= CASCADE_MIN_BATCH:
             return CASCADE_MIN_PREFIX
         return 0
+
+    def extend_warmup_lens(self, num_heads: int, dtype: torch.dtype) -> list[int]:
+        # the dots run in the pool's dtype, or in the queries' over a float8 pool
+        dot = dtype if self.kv_pool.quantized else self.kv_pool.dtype
+        return extend_warmup_lens(dot, self.head_dim, num_heads // self.num_kv_heads)
 
     def prefix_splits(self, batch_size: int, num_heads: int) -> int:
         """Prefix splits of a cascaded decode batch: enough prefix programs (row tiles x
