@@ -178,6 +178,21 @@ def test_warm_up_touches_only_the_dummy_slot_and_row(engine):
     assert after.token_ids == before.token_ids
 
 
+def test_warm_up_runs_the_round_lengths_and_those_the_attention_backend_names(engine,
+                                                                              monkeypatch):
+    """The backend's lengths (its prefill tiles: 5-8 tokens take their own at GROUP 4)
+    join the round ones, each run once, in order, capped at the context length."""
+    runner = engine.runner
+    monkeypatch.setattr(runner.attn, "extend_warmup_lens", lambda num_heads, dtype: [5, 9, 16])
+    lengths, forward = [], runner.forward
+    monkeypatch.setattr(runner, "forward",
+                        lambda batch: lengths.append(batch.extend_seq_lens_cpu[0]) or forward(batch))
+    runner.warm_up()
+    assert lengths == sorted({min(n, runner.context_len)
+                              for n in (1, 5, 9, 16, 32, 64, 128, 256)})
+    assert lengths[:4] == [1, 5, 9, 16]
+
+
 def test_a_request_id_in_use_is_rejected_until_it_finishes(engine):
     engine.add_request("hello", SamplingParams(max_new_tokens=2, **GREEDY), request_id="dup")
     with pytest.raises(ValueError, match="already in use"):
