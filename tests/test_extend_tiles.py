@@ -15,11 +15,13 @@ from interpreter_cases import REPO, run_cases
 
 
 # ---------------------------------------------------------------- the tile choice
-def test_the_8b_shape_packs_its_four_heads_into_128_rows_over_64_positions():
+def test_the_8b_shape_packs_a_question_as_32_tokens_x_4_heads_and_a_prefill_as_64_x_2():
     from backend.core.kernels import ExtendTiles, extend_tiles
-    # 32 query heads over 8 KV heads: 32 new tokens x 4 heads fill one 128-row tile
+    # 32 query heads over 8 KV heads: a 32-token question fills 128 rows with all 4 heads
     assert extend_tiles(torch.bfloat16, 128, 4, 32) == ExtendTiles(128, 64, 4, 8, 2)
-    assert extend_tiles(torch.bfloat16, 128, 4, 4096) == ExtendTiles(128, 64, 4, 8, 2)
+    # longer extends keep a 64-position KV tile's worth of tokens a program
+    assert extend_tiles(torch.bfloat16, 128, 4, 33) == ExtendTiles(128, 64, 2, 8, 2)
+    assert extend_tiles(torch.bfloat16, 128, 4, 4096) == ExtendTiles(128, 64, 2, 8, 2)
 
 
 @pytest.mark.parametrize("length, rows", [(1, 16), (4, 16), (5, 32), (8, 32), (9, 64),
@@ -34,15 +36,15 @@ def test_short_extends_take_the_fewest_rows_that_hold_them(length, rows):
 @pytest.mark.parametrize("group, heads", [(1, 1), (2, 2), (7, 8), (12, 16), (16, 16), (32, 16)])
 def test_a_group_is_padded_to_a_power_of_two_and_split_past_sixteen_heads(group, heads):
     from backend.core.kernels import extend_tiles
-    assert extend_tiles(torch.float16, 128, group, 512).heads == heads
+    assert extend_tiles(torch.float16, 128, group, 1).heads == heads
 
 
 def test_fp32_dots_and_wide_heads_keep_smaller_tiles():
     from backend.core.kernels import ExtendTiles, extend_tiles
     assert extend_tiles(torch.float32, 64, 2, 300) == ExtendTiles(64, 32, 2, 4, 2)
-    assert extend_tiles(torch.float32, 256, 2, 300) == ExtendTiles(32, 32, 2, 4, 2)
-    assert extend_tiles(torch.bfloat16, 256, 8, 300) == ExtendTiles(64, 32, 8, 8, 2)
-    assert extend_tiles(torch.bfloat16, 64, 4, 300) == ExtendTiles(128, 64, 4, 4, 2)
+    assert extend_tiles(torch.float32, 256, 2, 300) == ExtendTiles(32, 32, 1, 4, 2)
+    assert extend_tiles(torch.bfloat16, 256, 8, 300) == ExtendTiles(64, 32, 2, 8, 2)
+    assert extend_tiles(torch.bfloat16, 64, 4, 300) == ExtendTiles(128, 64, 2, 4, 2)
 
 
 @pytest.mark.parametrize("dtype, head_dim, group", [(torch.bfloat16, 128, 4),
@@ -60,11 +62,12 @@ def test_warm_up_lengths_reach_every_tile_a_prefill_can_take(dtype, head_dim, gr
     assert taken == warmed
 
 
-def test_the_8b_warm_up_covers_extends_of_5_to_8_tokens():
+def test_the_8b_warm_up_covers_extends_of_5_to_8_and_of_33_tokens():
     """Round warm-up lengths (1, 16, 32, ...) never build the 32-row tile that 5-8 new
-    tokens take at GROUP 4; without it the first such request compiles mid-serving."""
+    tokens take at GROUP 4, nor the two-head tile from 33 on; without them the first such
+    request compiles mid-serving."""
     from backend.core.kernels import extend_warmup_lens
-    assert extend_warmup_lens(torch.bfloat16, 128, 4) == [1, 5, 9, 17]
+    assert extend_warmup_lens(torch.bfloat16, 128, 4) == [1, 5, 9, 17, 33]
 
 
 def test_the_triton_backend_warms_up_the_tiles_of_its_pool():
@@ -73,7 +76,7 @@ def test_the_triton_backend_warms_up_the_tiles_of_its_pool():
     from backend.core.memory_pool import KVPool, ReqToTokenPool
     table = ReqToTokenPool(2, 64, "cpu").req_to_token
     bf16 = KVPool(8, 1, 8, 128, torch.bfloat16, "cpu")
-    assert TritonAttention(bf16, table).extend_warmup_lens(32, torch.bfloat16) == [1, 5, 9, 17]
+    assert TritonAttention(bf16, table).extend_warmup_lens(32, torch.bfloat16) == [1, 5, 9, 17, 33]
     # a float8 pool's dots run in the model's dtype: fp32 models keep fp32's tiles
     fp8 = KVPool(8, 1, 2, 64, torch.float8_e4m3fn, "cpu")
     assert (TritonAttention(fp8, table).extend_warmup_lens(4, torch.float32)
