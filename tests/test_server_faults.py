@@ -247,13 +247,15 @@ CLIENT = textwrap.dedent("""
     params = {"temperature": 0, "max_tokens": 3000, "ignore_eos": True}
     s = Stream(server)
     s.send("g", grpc_inputs("Tell me a long story.", params))
-    s.events.get(timeout=60)
+    result, error = s.events.get(timeout=60)
     body = {"text_input": "Another long story.", "stream": True,
             "sampling_parameters": json.dumps(params)}
     r = requests.post(f"http://{sys.argv[1]}/v2/models/llm/generate_stream", json=body,
                       stream=True)
-    next(r.iter_lines())
-    print("streaming", flush=True)
+    line = next(line for line in r.iter_lines() if line)
+    print(json.dumps({"grpc_error": None if error is None else str(error),
+                      "http_status": r.status_code, "http_first": line.decode()[:400]}),
+          flush=True)
     import time; time.sleep(600)
 """)
 
@@ -263,8 +265,13 @@ def test_a_client_killed_mid_stream_has_its_requests_cancelled(triton_server):
                                triton_server.grpc_url], cwd=REPO, stdout=subprocess.PIPE,
                               text=True)
     try:
-        assert client.stdout.readline().strip() == "streaming"
-        assert server_stats(triton_server)["num_pending_requests"] == 2
+        # Both streams must be live (a first token each, no error) before the kill.
+        first = json.loads(client.stdout.readline())
+        assert first["grpc_error"] is None, first
+        assert first["http_status"] == 200 and '"text_output"' in first["http_first"], first
+        assert "error" not in first["http_first"], first
+        wait_for(lambda: server_stats(triton_server)["num_pending_requests"] == 2, 10,
+                 "both of the client's streams to be pending")
         client.kill()
         client.wait(10)
         started = time.monotonic()
