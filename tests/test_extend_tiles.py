@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from interpreter_cases import REPO, run_cases
+from kv_batches import shuffled_kv_batch
 
 
 # ---------------------------------------------------------------- the tile choice
@@ -87,37 +88,19 @@ def test_the_triton_backend_warms_up_the_tiles_of_its_pool():
 # ---------------------------------------------------------------- the kernel, interpreted
 def _case_tiles(prefix_lens, ext_lens, h, kvh, d, tiles=None, seed=0, window=0):
     """extend_attention with the given tiles == TorchAttention on a pool of shuffled slots."""
-    from backend.core.forward_batch import ForwardBatch
     from backend.core.kernels import ExtendTiles, extend_attention, store_kv
     from backend.core.layers.attention import TorchAttention
-    from backend.core.memory_pool import KVPool, ReqToTokenPool
-    from backend.core.transfer import HostToDevice
-    gen = torch.Generator().manual_seed(seed)
-    total_ctx = sum(p + n for p, n in zip(prefix_lens, ext_lens))
-    pool = KVPool(total_ctx + 8, 1, kvh, d, torch.float32, "cpu")
-    pool.k_buffer[0].normal_(generator=gen)
-    pool.v_buffer[0].normal_(generator=gen)
-    table = ReqToTokenPool(len(ext_lens) + 1, max(p + n for p, n in zip(prefix_lens, ext_lens)),
-                           "cpu")
-    slots = (torch.randperm(total_ctx + 8, generator=gen)[:total_ctx] + 1).tolist()
-    rows, out_loc, used = [], [], 0
-    for i, (p, n) in enumerate(zip(prefix_lens, ext_lens)):
-        table.write(i + 1, 0, slots[used:used + p + n], HostToDevice("cpu"))
-        out_loc += slots[used + p:used + p + n]
-        rows.append(i + 1)
-        used += p + n
-    batch = ForwardBatch.build(
-        input_ids=[0] * sum(ext_lens), req_pool_indices=rows, extend_prefix_lens=prefix_lens,
-        extend_seq_lens=ext_lens, out_cache_loc=out_loc, logits_indices=[], device="cpu")
-    q = torch.randn(batch.num_tokens, h, d, generator=gen)
-    k = pool.k_buffer[0][batch.out_cache_loc].clone()
-    v = pool.v_buffer[0][batch.out_cache_loc].clone()
+    kv = shuffled_kv_batch(prefix_lens, ext_lens, h, kvh, d, seed,
+                           pool_size=sum(prefix_lens) + sum(ext_lens) + 8,
+                           rows=len(ext_lens) + 1,
+                           max_ctx=max(p + n for p, n in zip(prefix_lens, ext_lens)))
+    (ref_pool, pool), table, batch = kv.pools, kv.req_to_token, kv.batch
     scale = 0.6 / d ** 0.5
-    want = TorchAttention(pool, table.req_to_token).forward(q, k, v, 0, batch, scale,
-                                                            window=window)
-    store_kv(pool.k_buffer[0], pool.v_buffer[0], batch.out_cache_loc, k, v)
-    got = torch.full_like(q, float("nan"))
-    extend_attention(q, got, pool.k_buffer[0], pool.v_buffer[0], table.req_to_token,
+    want = TorchAttention(ref_pool, table).forward(kv.q, kv.k, kv.v, 0, batch, scale,
+                                                   window=window)
+    store_kv(pool.k_buffer[0], pool.v_buffer[0], batch.out_cache_loc, kv.k, kv.v)
+    got = torch.full_like(kv.q, float("nan"))
+    extend_attention(kv.q, got, pool.k_buffer[0], pool.v_buffer[0], table,
                      batch.req_pool_indices, batch.seq_lens, batch.extend_prefix_lens,
                      batch.qo_indptr, batch.max_extend_len, scale, window=window,
                      tiles=ExtendTiles(*tiles) if tiles else None)

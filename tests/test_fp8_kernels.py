@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from interpreter_cases import REPO, run_cases
+from kv_batches import shuffled_kv_batch
 
 FP8 = torch.float8_e4m3fn
 SCALES_K = [0.004, 0.02]  # per KV head: values reach about 4 / scale, well past 448 for none
@@ -22,14 +23,14 @@ SCALES_V = [0.01, 0.003]
 
 def _pools(prefix_lens, ext_lens, h, d, seed, outlier=False):
     """Two float8 pools with the same scales and the same stored prefixes, a request
-    table and a batch of new tokens (as test_triton_kernels._setup, float8 pools)."""
-    from test_triton_kernels import _setup
-    (ref, tri), r2t, batch, q, k, v = _setup(prefix_lens, ext_lens, h, 2, d, seed)
+    table and a batch of new tokens (kv_batches.shuffled_kv_batch, float8 pools)."""
+    kv = shuffled_kv_batch(prefix_lens, ext_lens, h, 2, d, seed)
+    (ref, tri), r2t, batch, q, k, v = kv.pools, kv.req_to_token, kv.batch, kv.q, kv.k, kv.v
     from backend.core.memory_pool import KVPool
     pools = [KVPool(ref.size, 1, 2, d, FP8, "cpu") for _ in range(2)]
     for pool, src in zip(pools, (ref, tri)):
         pool.set_scales(torch.tensor([SCALES_K]), torch.tensor([SCALES_V]))
-        used = src.k_buffer[0].abs().sum((1, 2)) > 0  # the prefix slots _setup filled
+        used = src.k_buffer[0].abs().sum((1, 2)) > 0  # the prefix slots it filled
         pool.store(0, used.nonzero().view(-1), src.k_buffer[0][used] * 0.1,
                    src.v_buffer[0][used] * 0.05)
     if outlier:

@@ -14,42 +14,9 @@ import pytest
 import torch
 
 from interpreter_cases import REPO, run_cases
+from kv_batches import shuffled_kv_batch
 
 FP32_TOL = 1e-4
-
-
-def _setup(prefix_lens, ext_lens, num_heads, num_kv_heads, head_dim, seed,
-           dtype=torch.float32, pool_size=600, rows=6, max_ctx=320):
-    """Two identical pools (torch ref / triton) holding each request's prefix K/V at
-    shuffled slots, shuffled req_to_token rows, and a batch whose new tokens go to
-    further shuffled slots."""
-    from backend.core.forward_batch import ForwardBatch
-    from backend.core.memory_pool import KVPool, ReqToTokenPool
-    from backend.core.transfer import HostToDevice
-    gen = torch.Generator().manual_seed(seed)
-    pools = [KVPool(pool_size, 1, num_kv_heads, head_dim, dtype, "cpu") for _ in range(2)]
-    r2t = ReqToTokenPool(rows, max_ctx, "cpu")
-    slot_perm = (torch.randperm(pool_size, generator=gen) + 1).tolist()  # never slot 0
-    row_perm = torch.randperm(rows, generator=gen).tolist()
-    row_ids, out_loc, used = [], [], 0
-    for i, (prefix, n) in enumerate(zip(prefix_lens, ext_lens)):
-        slots = slot_perm[used:used + prefix + n]
-        used += prefix + n
-        r2t.write(row_perm[i], 0, slots, HostToDevice("cpu"))
-        pk = torch.randn(prefix, num_kv_heads, head_dim, generator=gen).to(dtype)
-        pv = torch.randn(prefix, num_kv_heads, head_dim, generator=gen).to(dtype)
-        for p in pools:
-            p.k_buffer[0][slots[:prefix]] = pk
-            p.v_buffer[0][slots[:prefix]] = pv
-        row_ids.append(row_perm[i])
-        out_loc.extend(slots[prefix:])
-    total = sum(ext_lens)
-    batch = ForwardBatch.build(
-        input_ids=[0] * total, req_pool_indices=row_ids, extend_prefix_lens=list(prefix_lens),
-        extend_seq_lens=list(ext_lens), out_cache_loc=out_loc, logits_indices=[], device="cpu")
-    qkv = [torch.randn(total, h, head_dim, generator=gen).to(dtype)
-           for h in (num_heads, num_kv_heads, num_kv_heads)]
-    return pools, r2t.req_to_token, batch, *qkv
 
 
 def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.float32,
@@ -58,8 +25,9 @@ def _compare(prefix_lens, ext_lens, h, kvh, d, seed, tol=FP32_TOL, dtype=torch.f
     (``min_split_len``: the backend's decode rows split only past it)."""
     from backend.core.layers.attention import TorchAttention
     from backend.core.layers.triton_attention import TritonAttention
-    (ref_pool, tri_pool), r2t, batch, q, k, v = _setup(prefix_lens, ext_lens, h, kvh, d, seed,
-                                                       dtype=dtype)
+    kv = shuffled_kv_batch(prefix_lens, ext_lens, h, kvh, d, seed, dtype=dtype)
+    (ref_pool, tri_pool), r2t, batch = kv.pools, kv.req_to_token, kv.batch
+    q, k, v = kv.q, kv.k, kv.v
     scale = 0.7 / d ** 0.5  # not the default 1/sqrt(d): proves the scale is honoured
     options = dict(window=window, softcap=softcap)
     ref = TorchAttention(ref_pool, r2t).forward(q, k, v, 0, batch, scale, **options)
@@ -115,7 +83,8 @@ def _decode_direct(splits, seq_lens_override=None, min_split_len=0):
     are 32 positions."""
     from backend.core.kernels import decode_attention, decode_workspace_numel
     from backend.core.layers.attention import TorchAttention
-    (pool, _), r2t, batch, q, k, v = _setup([0, 6, 90], [1, 1, 1], 4, 2, 64, seed=splits)
+    kv = shuffled_kv_batch([0, 6, 90], [1, 1, 1], 4, 2, 64, seed=splits, num_pools=1)
+    pool, r2t, batch, q, k, v = kv.pools[0], kv.req_to_token, kv.batch, kv.q, kv.k, kv.v
     ref = TorchAttention(pool, r2t).forward(q, k, v, 0, batch, 0.125)  # also stores K/V
     seq_lens = batch.seq_lens if seq_lens_override is None else torch.tensor(seq_lens_override)
     out = torch.full_like(q, float("nan"))
@@ -153,7 +122,8 @@ def _case_decode_single_split_no_workspace():
     from backend.core.kernels import decode_attention, decode_workspace_numel
     from backend.core.layers.attention import TorchAttention
     assert decode_workspace_numel(3, 4, 64, 1) == 0
-    (pool, _), r2t, batch, q, k, v = _setup([0, 6, 90], [1, 1, 1], 4, 2, 64, seed=21)
+    kv = shuffled_kv_batch([0, 6, 90], [1, 1, 1], 4, 2, 64, seed=21, num_pools=1)
+    pool, r2t, batch, q, k, v = kv.pools[0], kv.req_to_token, kv.batch, kv.q, kv.k, kv.v
     ref = TorchAttention(pool, r2t).forward(q, k, v, 0, batch, 0.125)
     out = torch.full_like(q, float("nan"))
     decode_attention(q, out, pool.k_buffer[0], pool.v_buffer[0], r2t, batch.req_pool_indices,
@@ -197,8 +167,8 @@ def _case_decode_rope(h, kvh, d, splits, dtype=torch.float32, tol=FP32_TOL, wind
     from backend.core.layers.rotary import RotaryEmbedding
     # 64 = 2 whole 32-slot chunks: the new token opens no split of its own
     prefix_lens = [0, 2, 44, 299, 63, 5]
-    (ref_pool, pool), r2t, batch, q, k, v = _setup(prefix_lens, [1] * 6, h, kvh, d,
-                                                   seed=d * splits + h, dtype=dtype)
+    kv = shuffled_kv_batch(prefix_lens, [1] * 6, h, kvh, d, seed=d * splits + h, dtype=dtype)
+    (ref_pool, pool), r2t, batch, q, k, v = kv.pools, kv.req_to_token, kv.batch, kv.q, kv.k, kv.v
     rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), d, max_positions=320)
     q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
     ref_q, ref_k = rot(batch.positions, q.clone(), k.clone())
