@@ -6,8 +6,13 @@ ordered slots would read the wrong K/V and fail its comparison with TorchAttenti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # imported at call time below: the interpreter child sets Triton up first
+    from backend.core.forward_batch import ForwardBatch
+    from backend.core.memory_pool import KVPool
 
 
 @dataclass
@@ -15,9 +20,9 @@ class KVBatch:
     """``pools``: identical pools (one for the reference, one for the kernel under test)
     holding every request's prefix K/V; ``q, k, v``: the new tokens' projections, whose
     K/V go to ``batch.out_cache_loc`` (not yet stored)."""
-    pools: list
+    pools: list[KVPool]
     req_to_token: torch.Tensor
-    batch: object
+    batch: ForwardBatch
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
